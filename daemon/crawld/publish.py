@@ -1,0 +1,107 @@
+"""Publishing through the outbox.
+
+A task is written to the outbox (state ``new``) before it is published and is
+marked ``confirmed`` only when the broker confirms it (publisher confirm / PubAck).
+Whatever stays ``new`` -- unroutable, nacked, confirm lost, connection dropped --
+is published again on the next run: a possible duplicate, never a drop.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import IO, Callable, Iterable
+
+from .config import Config
+from .logs import get_logger
+from .store import Store
+from .task import MalformedMessage, Task, parse_line
+from .transports import make_publisher
+from .transports.base import PublishReport
+
+log = get_logger("crawld.publish")
+BATCH = 5000
+
+
+@dataclass
+class PublishSummary:
+    read: int = 0
+    new: int = 0
+    invalid: int = 0
+    published: int = 0
+    confirmed: int = 0
+    failed: int = 0
+    failures: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0
+
+
+def read_tasks(lines: Iterable[str], round_: str) -> tuple[list[Task], int]:
+    """Parse a publish file; bad lines are logged and counted, the rest go ahead."""
+    tasks: dict[str, Task] = {}
+    invalid = 0
+    for number, line in enumerate(lines, 1):
+        try:
+            task = parse_line(line, round_)
+        except MalformedMessage as exc:
+            invalid += 1
+            log.warning("publish_line_invalid", line=number, reason=exc.reason, error=exc.detail)
+            continue
+        if task is not None:
+            tasks.setdefault(task.task_id, task)
+    return list(tasks.values()), invalid
+
+
+def publish_file(cfg: Config, store: Store, stream: IO[str], round_: str,
+                 progress: Callable[[int, int], None] | None = None) -> PublishSummary:
+    tasks, invalid = read_tasks(stream, round_)
+    summary = PublishSummary(read=len(tasks), invalid=invalid)
+    summary.new = store.outbox_add(tasks)
+    report = publish_unconfirmed(cfg, store, progress)
+    summary.published = len(report.confirmed) + len(report.failed)
+    summary.confirmed = len(report.confirmed)
+    summary.failed = len(report.failed)
+    summary.failures = report.failed
+    return summary
+
+
+def publish_unconfirmed(cfg: Config, store: Store,
+                        progress: Callable[[int, int], None] | None = None) -> PublishReport:
+    """Publish every outbox row still ``new`` (this run's and earlier runs' leftovers)."""
+    pending = store.outbox_unconfirmed()
+    total = len(pending)
+    report = PublishReport()
+    with make_publisher(cfg) as publisher:
+        for start in range(0, total, BATCH):
+            batch = pending[start:start + BATCH]
+            offset = start
+
+            def _progress(done: int, _n: int, offset: int = offset) -> None:
+                if progress:
+                    progress(offset + done, total)
+
+            part = publisher.publish(batch, _progress)
+            store.outbox_mark_confirmed(part.confirmed)
+            store.outbox_mark_failed(part.failed)
+            report.merge(part)
+    for task_id, reason in list(report.failed.items())[:20]:
+        log.error("publish_unconfirmed", task_id=task_id, reason=reason)
+    return report
+
+
+def terminal_progress(stream: IO[str] = sys.stderr) -> Callable[[int, int], None]:
+    """A one-line progress counter on a TTY, sparse log lines otherwise."""
+    state = {"last": -1}
+
+    def show(done: int, total: int) -> None:
+        pct = 100 * done // total if total else 100
+        if stream.isatty():
+            stream.write(f"\rpublished {done}/{total} ({pct}%)")
+            if done >= total:
+                stream.write("\n")
+            stream.flush()
+        elif pct // 10 != state["last"] // 10 or done >= total:
+            log.info("publish_progress", done=done, total=total)
+        state["last"] = pct
+    return show

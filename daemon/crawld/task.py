@@ -1,0 +1,137 @@
+"""Crawl tasks: stable ids, the message body, and strict parsing of what arrives.
+
+The task id is content-derived (canonical URL + crawl round) so a re-publish, a
+redelivery or a replay of the same URL in the same round is recognisably the same
+task: dedup is by id, never by broker hints.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from w3lib.url import canonicalize_url
+
+DEFAULT_ROUND = "0"
+DEFAULT_SOURCE = "default"
+MAX_URL_LENGTH = 8192
+_SOURCE_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+class MalformedMessage(ValueError):
+    """The message can never be processed; it goes to the dead letters at once."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    url: str
+    round: str = DEFAULT_ROUND
+    source: str = DEFAULT_SOURCE
+    enqueued_at: float = 0.0
+
+    def to_body(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+def canonical_url(url: str) -> str:
+    return canonicalize_url(url.strip(), keep_fragments=False)
+
+
+def task_id_for(url: str, round_: str = DEFAULT_ROUND) -> str:
+    """sha256 of canonical URL and round, truncated to 32 hex chars (128 bits)."""
+    digest = hashlib.sha256(f"{round_}\n{canonical_url(url)}".encode()).hexdigest()
+    return digest[:32]
+
+
+def safe_source(source: str) -> str:
+    """Sources become subject tokens / header values: keep them to a safe alphabet."""
+    cleaned = "".join(ch if ch in _SOURCE_OK else "_" for ch in source)[:64]
+    return cleaned or DEFAULT_SOURCE
+
+
+def new_task(url: str, round_: str = DEFAULT_ROUND, source: str = DEFAULT_SOURCE,
+             task_id: str | None = None) -> Task:
+    url = url.strip()
+    return Task(task_id=task_id or task_id_for(url, round_), url=url, round=round_,
+                source=safe_source(source), enqueued_at=time.time())
+
+
+def parse_line(line: str, round_: str) -> Task | None:
+    """One line of a publish file: a bare URL or a JSON object with ``url``.
+
+    Returns None for blank lines and comments; raises MalformedMessage otherwise.
+    """
+    text = line.strip()
+    if not text or text.startswith("#"):
+        return None
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise MalformedMessage("not_json", str(exc)) from None
+        url = _require_url(obj)
+        task_id = obj.get("task_id")
+        source = obj.get("source", DEFAULT_SOURCE)
+        if task_id is not None and (not isinstance(task_id, str) or not task_id):
+            raise MalformedMessage("bad_types", "task_id must be a non-empty string")
+        if not isinstance(source, str):
+            raise MalformedMessage("bad_types", "source must be a string")
+        return new_task(url, str(obj.get("round", round_)), source, task_id)
+    return new_task(_require_url({"url": text}), round_)
+
+
+def parse_message(body: bytes, message_id: str | None = None,
+                  max_bytes: int = 65536) -> Task:
+    """Decode a delivery body. A plain client may send just ``{"url": ...}``.
+
+    The task id comes from the body, else the broker message id, else the URL.
+    """
+    if len(body) > max_bytes:
+        raise MalformedMessage("oversized", f"{len(body)} bytes > {max_bytes}")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedMessage("invalid_utf8", str(exc)) from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MalformedMessage("not_json", str(exc)) from None
+    if not isinstance(obj, dict):
+        raise MalformedMessage("bad_types", "body must be a JSON object")
+    url = _require_url(obj)
+    round_ = obj.get("round", DEFAULT_ROUND)
+    source = obj.get("source", DEFAULT_SOURCE)
+    task_id = obj.get("task_id") or message_id
+    enqueued_at = obj.get("enqueued_at", 0.0)
+    if not isinstance(round_, (str, int)) or isinstance(round_, bool):
+        raise MalformedMessage("bad_types", "round must be a string")
+    if not isinstance(source, str):
+        raise MalformedMessage("bad_types", "source must be a string")
+    if task_id is not None and not isinstance(task_id, str):
+        raise MalformedMessage("bad_types", "task_id must be a string")
+    if not isinstance(enqueued_at, (int, float)) or isinstance(enqueued_at, bool):
+        raise MalformedMessage("bad_types", "enqueued_at must be a number")
+    round_ = str(round_)
+    return Task(task_id=task_id or task_id_for(url, round_), url=url.strip(), round=round_,
+                source=safe_source(source), enqueued_at=float(enqueued_at))
+
+
+def _require_url(obj: Mapping[str, Any]) -> str:
+    url = obj.get("url")
+    if url is None:
+        raise MalformedMessage("no_url", "message has no url")
+    if not isinstance(url, str):
+        raise MalformedMessage("bad_types", "url must be a string")
+    if not url.strip():
+        raise MalformedMessage("no_url", "url is empty")
+    if len(url) > MAX_URL_LENGTH:
+        raise MalformedMessage("oversized", f"url longer than {MAX_URL_LENGTH}")
+    return url

@@ -1,0 +1,295 @@
+"""A small local website for tests and for ``crawld demo`` (stdlib only).
+
+Every page is deterministic from its path, so tests choose the behaviour they need by URL
+and keep themselves isolated with a unique ``<key>`` segment:
+
+=================================  ===============================================
+``/robots.txt``                    disallows ``/private/``
+``/fast/<any>``                    200 small HTML page that names the path
+``/slow/<seconds>/<any>``          sleeps, then 200
+``/status/<code>/<any>``           answers with that status code
+``/404/<any>``, ``/500/<any>``     always 404 / always 500
+``/flaky/<n>/<key>``               500 for the first n hits of that exact path, then 200
+``/redirect/<n>/<key>``            302 chain of n hops ending at ``/fast/<key>``
+``/private/<any>``                 200, but disallowed by robots.txt
+``/retry-after/<seconds>/<key>``   first hit 429 with ``Retry-After: seconds``, then 200
+``/big/<bytes>/<key>``             200 with a body of that many bytes
+=================================  ===============================================
+
+The server counts hits per path and records how many requests were in flight at once,
+overall and per path prefix, so politeness (per-host concurrency) can be asserted.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+from urllib.parse import urlsplit
+
+ROBOTS_TXT = "User-agent: *\nDisallow: /private/\n"
+MAX_SLEEP_S = 600.0
+SLEEP_STEP_S = 0.05
+MAX_BIG_BYTES = 64 * 1024 * 1024
+
+
+class _Stats:
+    """Hit counters and a start/end event log, guarded by one lock.
+
+    The event log (rather than fixed counters) lets ``max_concurrent`` answer for any
+    prefix after the fact; it holds two small tuples per request, fine for test volumes.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.hits: dict[str, int] = {}
+        self.events: list[tuple[int, str]] = []
+        self.active = 0
+        self.peak = 0
+
+    def enter(self, path: str) -> int:
+        with self.lock:
+            count = self.hits.get(path, 0) + 1
+            self.hits[path] = count
+            self.events.append((1, path))
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+            return count
+
+    def leave(self, path: str) -> None:
+        with self.lock:
+            self.events.append((-1, path))
+            self.active -= 1
+
+    def max_concurrent(self, prefix: str | None) -> int:
+        with self.lock:
+            if prefix is None:
+                return self.peak
+            events = list(self.events)
+        current = best = 0
+        for delta, path in events:
+            if path.startswith(prefix):
+                current += delta
+                best = max(best, current)
+        return best
+
+    def reset(self) -> None:
+        with self.lock:
+            self.hits.clear()
+            self.events.clear()
+            self.peak = self.active
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, like real sites; every answer has a length
+    server_version = "crawld-testsite/1"
+    timeout = 30  # idle keep-alive connections give their thread back eventually
+    site: "TestSite"  # set on a per-site subclass
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass  # quiet: no stderr line per request
+
+    def setup(self) -> None:
+        super().setup()
+        self.site._track(self.connection, add=True)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.site._track(self.connection, add=False)
+
+    def do_GET(self) -> None:
+        self._serve(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._serve(send_body=False)
+
+    def _serve(self, send_body: bool) -> None:
+        path = urlsplit(self.path).path
+        stats = self.site._stats
+        hit = stats.enter(path)
+        try:
+            status, headers, body = self.site._route(path, hit)
+            self._respond(status, headers, body, send_body)
+        finally:
+            stats.leave(path)
+
+    def _respond(self, status: int, headers: dict[str, str], body: bytes, send_body: bool) -> None:
+        try:
+            self.send_response(status)
+            headers.setdefault("Content-Type", "text/html; charset=utf-8")
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if send_body:
+                self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client gave up (e.g. its timeout): not our error
+
+
+Response = tuple[int, dict[str, str], bytes]
+
+
+class TestSite:
+    """A threaded HTTP server on 127.0.0.1 serving the pages described in the module doc."""
+
+    __test__ = False  # not a pytest test class despite the name
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port
+        self._stats = _Stats()
+        self._stop = threading.Event()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._routes: dict[str, Callable[[list[str], str, int], Response]] = {
+            "fast": self._fast,
+            "slow": self._slow,
+            "status": self._status,
+            "404": lambda parts, path, hit: self._page(404, path),
+            "500": lambda parts, path, hit: self._page(500, path),
+            "flaky": self._flaky,
+            "redirect": self._redirect,
+            "private": lambda parts, path, hit: self._page(200, path),
+            "retry-after": self._retry_after,
+            "big": self._big,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> "TestSite":
+        handler = type("SiteHandler", (_Handler,), {"site": self})
+        self._stop.clear()
+        self._server = ThreadingHTTPServer((self.host, self.port), handler)
+        self._server.daemon_threads = True  # a stuck request never blocks interpreter exit
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+            name=f"testsite-{self.port}", daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._stop.set()  # wakes /slow/ sleepers
+        self._server.shutdown()
+        self._server.server_close()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:  # keep-alive connections would otherwise stay open after stop
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = None
+
+    def __enter__(self) -> "TestSite":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- addresses and counters --------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def url(self, path: str) -> str:
+        return self.base_url + ("" if path.startswith("/") else "/") + path
+
+    def hits(self, path: str) -> int:
+        """Requests seen for this exact path (query string ignored)."""
+        with self._stats.lock:
+            return self._stats.hits.get(urlsplit(path).path, 0)
+
+    def total_hits(self, prefix: str = "/") -> int:
+        with self._stats.lock:
+            return sum(n for p, n in self._stats.hits.items() if p.startswith(prefix))
+
+    def max_concurrent(self, prefix: str | None = None) -> int:
+        """Most requests in flight at once, overall or for paths starting with ``prefix``."""
+        return self._stats.max_concurrent(prefix)
+
+    def reset(self) -> None:
+        self._stats.reset()
+
+    def sample_urls(self, key: str = "demo") -> list[str]:
+        """One URL of each kind, for ``crawld demo`` and smoke tests."""
+        paths = [
+            f"/fast/{key}/1", f"/fast/{key}/2", f"/fast/{key}/3",
+            f"/slow/1/{key}", f"/404/{key}", f"/flaky/1/{key}",
+            f"/redirect/2/{key}", f"/private/{key}", f"/500/{key}",
+        ]
+        return [self.url(p) for p in paths]
+
+    def _track(self, conn: socket.socket, add: bool) -> None:
+        with self._conns_lock:
+            (self._conns.add if add else self._conns.discard)(conn)
+
+    # -- pages -------------------------------------------------------------------------
+    def _route(self, path: str, hit: int) -> Response:
+        if path == "/robots.txt":
+            return 200, {"Content-Type": "text/plain; charset=utf-8"}, ROBOTS_TXT.encode()
+        parts = path.strip("/").split("/")
+        route = self._routes.get(parts[0])
+        if route is None:
+            return self._page(404, path)
+        try:
+            return route(parts[1:], path, hit)
+        except (ValueError, IndexError):
+            return self._page(400, path)  # e.g. /slow/abc/x: a bad test URL, say so
+
+    @staticmethod
+    def _page(status: int, path: str, note: str = "") -> Response:
+        body = (
+            f"<!doctype html><html><head><title>{status} {path}</title></head>"
+            f"<body><h1>{status}</h1><p>path: {path}</p>{note}</body></html>"
+        )
+        return status, {}, body.encode()
+
+    def _fast(self, parts: list[str], path: str, hit: int) -> Response:
+        return self._page(200, path, '<a href="/fast/next">next</a>')
+
+    def _slow(self, parts: list[str], path: str, hit: int) -> Response:
+        seconds = min(float(parts[0]), MAX_SLEEP_S)
+        deadline = time.monotonic() + seconds
+        # Small steps so stop() is prompt even while a long sleep is in progress.
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            time.sleep(min(SLEEP_STEP_S, max(0.0, deadline - time.monotonic())))
+        return self._page(200, path)
+
+    def _status(self, parts: list[str], path: str, hit: int) -> Response:
+        code = int(parts[0])
+        if not 100 <= code <= 599:
+            raise ValueError(code)
+        return self._page(code, path)
+
+    def _flaky(self, parts: list[str], path: str, hit: int) -> Response:
+        return self._page(500 if hit <= int(parts[0]) else 200, path)
+
+    def _redirect(self, parts: list[str], path: str, hit: int) -> Response:
+        hops, key = int(parts[0]), "/".join(parts[1:])
+        if hops <= 0:
+            return self._page(200, path)
+        target = f"/fast/{key}" if hops == 1 else f"/redirect/{hops - 1}/{key}"
+        return 302, {"Location": target}, b""
+
+    def _retry_after(self, parts: list[str], path: str, hit: int) -> Response:
+        seconds = str(int(parts[0]))  # Retry-After is whole seconds (RFC 9110)
+        if hit == 1:
+            status, headers, body = self._page(429, path)
+            headers["Retry-After"] = seconds
+            return status, headers, body
+        return self._page(200, path)
+
+    def _big(self, parts: list[str], path: str, hit: int) -> Response:
+        size = min(int(parts[0]), MAX_BIG_BYTES)
+        return 200, {"Content-Type": "application/octet-stream"}, b"x" * size

@@ -1,0 +1,152 @@
+"""The small delivery interface the worker loop talks to.
+
+A transport owns its broker client and its I/O thread (the worker's main thread).
+The worker loop only calls ``poll`` from that thread; pool threads only call
+``settle``, which every transport must make thread-safe by handing the operation
+to its I/O loop (pika: ``add_callback_threadsafe``; asyncio: ``call_soon_threadsafe``).
+"""
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from ..task import Task
+
+ATTEMPT_HEADER = "x-crawld-attempt"
+ERROR_HEADER = "x-crawld-error"
+ORIGIN_HEADER = "x-crawld-origin"
+REASON_HEADER = "x-crawld-reason"
+MAX_HEADER_CHARS = 512
+
+
+class Action(enum.Enum):
+    ACK = "ack"          # stored a result: done
+    SKIP = "skip"        # stored a skipped result: AMQP ack, JetStream term
+    RETRY = "retry"      # attempt row stored: delayed redelivery outside the main path
+    DEAD = "dead"        # dead row stored: publish to the dead queue/stream, then ack/term
+    RELEASE = "release"  # never started (drain): give back at once, no attempt used
+
+
+@dataclass(frozen=True)
+class Settlement:
+    action: Action
+    delay_s: float = 0.0
+    reason: str = ""
+    error: str = ""
+    task: Task | None = None   # the parsed task, when there is one (dead/retry republish)
+
+
+@dataclass
+class Delivery:
+    """One message as the worker sees it. ``handle`` is the transport's own."""
+
+    body: bytes
+    message_id: str | None
+    attempt: int                 # 1 for the first try; AMQP: our header, JetStream: num_delivered
+    redelivered: bool            # a hint for metrics and the crash-loop guard, never for dedup
+    origin: str                  # queue or subject it came from
+    handle: Any
+    headers: dict[str, Any] = field(default_factory=dict)
+    stream_seq: int | None = None
+    received_at: float = field(default_factory=time.monotonic)
+
+
+DeliveryCallback = Callable[[Delivery], None]
+
+
+class Transport(abc.ABC):
+    """Consumer side of a broker, used by one worker process."""
+
+    name: str = "?"
+
+    @abc.abstractmethod
+    def connect(self) -> None:
+        """Connect (retrying with backoff until ``should_stop``), declare topology."""
+
+    @abc.abstractmethod
+    def start_consuming(self, on_delivery: DeliveryCallback, free_slots: Callable[[], int]) -> None:
+        """Begin delivering to ``on_delivery`` (called on the I/O thread).
+
+        ``free_slots`` says how many more deliveries the worker can start now; a pull
+        transport fetches no more than that, a push transport relies on its prefetch.
+        """
+
+    @abc.abstractmethod
+    def poll(self, timeout: float) -> None:
+        """Service the connection for up to ``timeout`` seconds: heartbeats, deliveries,
+        queued settlements, in-progress signals, reconnects."""
+
+    @abc.abstractmethod
+    def settle(self, delivery: Delivery, settlement: Settlement) -> None:
+        """Thread-safe: queue the broker side of a finished delivery on the I/O loop."""
+
+    @abc.abstractmethod
+    def stop_consuming(self) -> None:
+        """Stop taking new deliveries; keep the connection serviced for pending settles."""
+
+    @abc.abstractmethod
+    def pending_settlements(self) -> int:
+        """Settlements queued but not yet sent to the broker."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close cleanly; whatever is unsettled goes back to the broker."""
+
+    def set_stop_check(self, should_stop: Callable[[], bool]) -> None:
+        """Lets ``connect`` give up its backoff loop when the worker is told to stop."""
+        self._should_stop = should_stop
+
+    def should_stop(self) -> bool:
+        check = getattr(self, "_should_stop", None)
+        return bool(check and check())
+
+    @property
+    def connected(self) -> bool:
+        return True
+
+
+@dataclass
+class PublishReport:
+    confirmed: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)   # task_id -> reason
+
+    def merge(self, other: "PublishReport") -> None:
+        self.confirmed.extend(other.confirmed)
+        self.failed.update(other.failed)
+
+
+ProgressCallback = Callable[[int, int], None]   # (done so far, total)
+
+
+class Publisher(abc.ABC):
+    """Publishing side: durable, confirmed, deduplicated by task id."""
+
+    @abc.abstractmethod
+    def publish(self, tasks: Sequence[Task], progress: ProgressCallback | None = None,
+                attempt_reset: bool = False) -> PublishReport:
+        """Publish persistent messages; report which were confirmed by the broker."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def truncate(text: str, limit: int = MAX_HEADER_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def tier_for(delay_s: float, tiers: Iterable[float]) -> float:
+    """The smallest configured tier >= delay (or the largest tier if none is)."""
+    ordered = sorted(tiers)
+    for tier in ordered:
+        if tier >= delay_s:
+            return tier
+    return ordered[-1]

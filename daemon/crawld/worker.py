@@ -1,0 +1,348 @@
+"""One fetch worker process: a transport, a thread pool, a store. Broker-agnostic.
+
+The main thread owns the transport and only polls it; deliveries are handed to a
+ThreadPoolExecutor; a pool thread parses, fetches, classifies and stores, then asks
+the transport to settle (ack / retry / dead). Ack comes strictly after the store
+write, so a crash between the two is a duplicate, never a loss.
+
+Signals only set flags (TERM/INT: drain, QUIT: fast stop); the loop does the work.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .classify import Decision, Verdict, classify
+from .config import Config
+from .fetch import Fetcher, FetchResult
+from .logs import get_logger
+from .metrics import Metrics
+from .store import DeadRow, ResultRow, Store
+from .task import MalformedMessage, Task, parse_message
+from .transports.base import Action, Delivery, Settlement, Transport
+
+log = get_logger("crawld.worker")
+
+HEARTBEAT_FD_ENV = "CRAWLD_HEARTBEAT_FD"
+FAULT_ENV = "CRAWLD_TEST_FAULT"      # test-only crash points, see _fault()
+HEARTBEAT_EVERY_S = 1.0
+
+
+@dataclass
+class WorkerState:
+    state: str = "starting"
+    inflight: int = 0
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    duplicates: int = 0
+    started_at: float = 0.0
+
+
+class Worker:
+    def __init__(self, cfg: Config, transport: Transport, store: Store, fetcher: Fetcher,
+                 metrics: Metrics | None = None, worker_id: str | None = None) -> None:
+        self.cfg = cfg
+        self.transport = transport
+        self.store = store
+        self.fetcher = fetcher
+        self.metrics = metrics or Metrics(enabled=False)
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.pool = ThreadPoolExecutor(max_workers=cfg.workers.threads, thread_name_prefix="fetch")
+        self.state = WorkerState(started_at=time.time())
+        self._lock = threading.Lock()
+        self._futures: dict[Future, Delivery] = {}
+        self._stop = False
+        self._fast_stop = False
+        self._parent = os.getppid()
+        self._heartbeat_fd = _int_env(HEARTBEAT_FD_ENV)
+        self._last_beat = 0.0
+        self._fault_point = os.environ.get(FAULT_ENV, "")
+
+    # -- life cycle ------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_drain_signal)
+        signal.signal(signal.SIGINT, self._on_drain_signal)
+        signal.signal(signal.SIGQUIT, self._on_fast_signal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)   # the supervisor rolls workers instead
+
+    def _on_drain_signal(self, signum: int, frame: Any) -> None:
+        self._stop = True                               # no logging here: not reentrant-safe
+
+    def _on_fast_signal(self, signum: int, frame: Any) -> None:
+        self._stop = self._fast_stop = True
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    def run(self) -> int:
+        self.transport.set_stop_check(lambda: self._stop)
+        log.info("worker_starting", worker=self.worker_id, transport=self.transport.name,
+                 threads=self.cfg.workers.threads, prefetch=self.cfg.queue.prefetch)
+        self._set_state("connecting")
+        self.transport.connect()
+        self.transport.start_consuming(self._on_delivery, self._free_slots)
+        self._set_state("running")
+        while not self._stop:
+            self.transport.poll(0.2)
+            self._tick()
+        if self._fast_stop:
+            return self._stop_fast()
+        return self._drain()
+
+    def _tick(self) -> None:
+        if os.getppid() != self._parent:
+            log.warning("supervisor_gone", worker=self.worker_id)
+            self._stop = True
+        self._heartbeat()
+
+    def _drain(self) -> int:
+        """Stop taking work, finish what started, give back what did not, close."""
+        started = time.monotonic()
+        self._set_state("draining")
+        self.transport.stop_consuming()
+        released = self._release_unstarted()
+        deadline = started + self.cfg.workers.drain_timeout_s
+        while (self._inflight() or self.transport.pending_settlements()) and time.monotonic() < deadline:
+            self.transport.poll(0.1)
+            self._heartbeat()
+        leftover = self._inflight()
+        self.transport.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        log.info("worker_drained", worker=self.worker_id, released=released, unfinished=leftover,
+                 drain_s=round(time.monotonic() - started, 3), done=self.state.done)
+        self._set_state("stopped")
+        self._heartbeat(force=True)
+        return 0
+
+    def _stop_fast(self) -> int:
+        log.info("worker_fast_stop", worker=self.worker_id, inflight=self._inflight())
+        self.transport.close()
+        os._exit(0)
+
+    def _release_unstarted(self) -> int:
+        """Deliveries still queued in the pool go back to the broker at once."""
+        with self._lock:
+            waiting = [(f, d) for f, d in self._futures.items()]
+        released = 0
+        for future, delivery in waiting:
+            if future.cancel():      # its done-callback (_forget) fixes the in-flight count
+                self.transport.settle(delivery, Settlement(Action.RELEASE, reason="draining"))
+                released += 1
+        return released
+
+    # -- deliveries ------------------------------------------------------------------
+    def _free_slots(self) -> int:
+        if self._stop:
+            return 0
+        return max(0, self.cfg.workers.threads - self._inflight())
+
+    def _inflight(self) -> int:
+        with self._lock:
+            return self.state.inflight
+
+    def _on_delivery(self, delivery: Delivery) -> None:
+        """I/O thread: never does the work, only hands it to the pool."""
+        self.metrics.on_received(delivery.redelivered)
+        with self._lock:
+            self.state.inflight += 1
+            future = self.pool.submit(self._process, delivery)
+            self._futures[future] = delivery
+        future.add_done_callback(self._forget)
+        self.metrics.set_inflight(self._inflight())
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            if self._futures.pop(future, None) is not None:
+                self.state.inflight -= 1
+
+    def _process(self, delivery: Delivery) -> None:
+        """Pool thread: handle one delivery and always settle it exactly once."""
+        try:
+            settlement = self._handle(delivery)
+        except Exception as exc:  # a bug in our code: dead, never retried in a loop
+            settlement = self._internal_error(delivery, exc)
+        self._fault("before_settle")
+        self.transport.settle(delivery, settlement)
+        self._count(settlement)
+
+    def _handle(self, delivery: Delivery) -> Settlement:
+        try:
+            task = parse_message(delivery.body, delivery.message_id, self.cfg.queue.max_message_bytes)
+        except MalformedMessage as exc:
+            return self._malformed(delivery, exc)
+        bound = log.bind(task_id=task.task_id, url=task.url, attempt=delivery.attempt)
+        if self.store.has_result(task.task_id):
+            bound.info("duplicate_skipped", redelivered=delivery.redelivered)
+            return Settlement(Action.ACK, reason="duplicate", task=task)
+        guard = self._delivery_limit(delivery, task)
+        if guard is not None:
+            bound.error("delivery_limit_reached", reason=guard.reason, error=guard.error)
+            return self._dead(delivery, task, guard)
+        self._fault("after_receive")
+        self._early_ack_demo(delivery, task)
+        result = self.fetcher.fetch(task.url)
+        self.metrics.on_fetch(result.elapsed_s, result.http_status)
+        decision = classify(result, delivery.attempt, self.cfg.queue.max_deliver,
+                            self.cfg.queue.retry_delays_s, self.cfg.fetch.retry_after_max_s)
+        return self._record(delivery, task, result, decision, bound)
+
+    def _delivery_limit(self, delivery: Delivery, task: Task) -> Decision | None:
+        """Stop a task that keeps killing its worker from being redelivered forever."""
+        limit = self.cfg.queue.max_deliver
+        if delivery.attempt > limit:
+            return Decision(Verdict.DEAD, reason="retries_exhausted",
+                            error=f"delivered {delivery.attempt} times (max_deliver {limit})")
+        if delivery.redelivered and not getattr(self.transport, "counts_deliveries", True):
+            count = self.store.bump_redelivery(task.task_id)
+            if count >= limit:
+                return Decision(Verdict.DEAD, reason="redelivery_limit",
+                                error=f"redelivered {count} times without being settled "
+                                      f"(worker crashes?)")
+        return None
+
+    def _record(self, delivery: Delivery, task: Task, result: FetchResult, decision: Decision,
+                bound: Any) -> Settlement:
+        if decision.verdict in (Verdict.RESULT, Verdict.SKIP):
+            self._store_result(delivery, task, result, decision)
+            action = Action.ACK if decision.verdict is Verdict.RESULT else Action.SKIP
+            return Settlement(action, reason=decision.status, task=task)
+        self.store.put_attempt(task.task_id, delivery.attempt, task.url, decision.error or decision.reason,
+                               result.http_status, decision.delay_s, self.worker_id)
+        if decision.verdict is Verdict.RETRY:
+            bound.warning("fetch_retry", reason=decision.reason, error=decision.error,
+                          delay_s=decision.delay_s, http_status=result.http_status)
+            return Settlement(Action.RETRY, delay_s=decision.delay_s, reason=decision.reason,
+                              error=decision.error, task=task)
+        bound.error("fetch_dead", reason=decision.reason, error=decision.error,
+                    http_status=result.http_status)
+        return self._dead(delivery, task, decision)
+
+    def _store_result(self, delivery: Delivery, task: Task, result: FetchResult,
+                      decision: Decision) -> None:
+        digest = self.store.save_body(result.body) if result.body else ""
+        self._fault("before_store")
+        self.store.put_result(ResultRow(
+            task_id=task.task_id, url=task.url, final_url=result.final_url or task.url,
+            status=decision.status, http_status=result.http_status,
+            reason=decision.reason if decision.verdict is Verdict.SKIP else "",
+            content_type=result.content_type, bytes=len(result.body), body_sha256=digest,
+            attempts=delivery.attempt, fetched_at=time.time(), worker=self.worker_id,
+            round=task.round, source=task.source, redirects=result.redirects,
+            enqueued_at=task.enqueued_at, stream_seq=delivery.stream_seq))
+        self._fault("after_store")
+
+    def _dead(self, delivery: Delivery, task: Task, decision: Decision) -> Settlement:
+        self.store.put_dead(DeadRow(
+            task_id=task.task_id, url=task.url, reason=decision.reason, error=decision.error,
+            attempts=delivery.attempt, origin=delivery.origin, dead_at=time.time(),
+            body=delivery.body.decode("utf-8", "replace"), round=task.round, source=task.source))
+        return Settlement(Action.DEAD, reason=decision.reason, error=decision.error, task=task)
+
+    def _malformed(self, delivery: Delivery, exc: MalformedMessage) -> Settlement:
+        task_id = delivery.message_id or "malformed-" + hashlib.sha256(delivery.body).hexdigest()[:24]
+        log.error("message_malformed", task_id=task_id, url="", attempt=delivery.attempt,
+                  reason=exc.reason, error=exc.detail, origin=delivery.origin)
+        self.store.put_dead(DeadRow(
+            task_id=task_id, url="", reason=f"malformed:{exc.reason}", error=exc.detail[:500],
+            attempts=delivery.attempt, origin=delivery.origin, dead_at=time.time(),
+            body=delivery.body[:4096].decode("utf-8", "replace")))
+        return Settlement(Action.DEAD, reason=f"malformed:{exc.reason}", error=exc.detail)
+
+    def _internal_error(self, delivery: Delivery, exc: Exception) -> Settlement:
+        log.exception("internal_error", task_id=delivery.message_id, attempt=delivery.attempt,
+                      error=repr(exc))
+        try:
+            task = parse_message(delivery.body, delivery.message_id, self.cfg.queue.max_message_bytes)
+            return self._dead(delivery, task, Decision(Verdict.DEAD, reason="internal_error",
+                                                       error=repr(exc)[:500]))
+        except Exception as store_exc:
+            # The store itself is failing: do not ack; a delayed retry keeps the task safe.
+            log.error("store_unavailable", task_id=delivery.message_id, attempt=delivery.attempt,
+                      error=repr(store_exc))
+            return Settlement(Action.RETRY, delay_s=self.cfg.queue.retry_delays_s[0] if
+                              self.cfg.queue.retry_delays_s else 1.0,
+                              reason="store_unavailable", error=repr(store_exc)[:500])
+
+    def _count(self, settlement: Settlement) -> None:
+        outcome = {"duplicate": "duplicate"}.get(settlement.reason, settlement.action.value)
+        with self._lock:
+            if settlement.action in (Action.ACK, Action.SKIP):
+                self.state.done += 1
+                self.state.duplicates += settlement.reason == "duplicate"
+            elif settlement.action is Action.RETRY:
+                self.state.retried += 1
+            elif settlement.action is Action.DEAD:
+                self.state.dead += 1
+        self.metrics.on_settled(outcome, settlement.reason)
+
+    # -- liveness and test hooks -------------------------------------------------------
+    def _set_state(self, state: str) -> None:
+        self.state.state = state
+        self._heartbeat(force=True)
+
+    def _heartbeat(self, force: bool = False) -> None:
+        """One status line to the supervisor's pipe; its absence means a stuck loop."""
+        now = time.monotonic()
+        if self._heartbeat_fd is None or (not force and now - self._last_beat < HEARTBEAT_EVERY_S):
+            return
+        self._last_beat = now
+        with self._lock:
+            snapshot = dict(self.state.__dict__, pid=os.getpid(),
+                            connected=self.transport.connected)
+        self.metrics.set_inflight(snapshot["inflight"])
+        try:
+            os.write(self._heartbeat_fd, (json.dumps(snapshot) + "\n").encode())
+        except BlockingIOError:
+            pass            # supervisor is behind; the next beat will do
+        except OSError:
+            self._heartbeat_fd = None
+
+    def _early_ack_demo(self, delivery: Delivery, task: Task) -> None:
+        """Test-only ``early_ack`` mode: ack before storing, then die. Shows the loss we avoid."""
+        if self._fault_point != "early_ack":
+            return
+        self.transport.settle(delivery, Settlement(Action.ACK, task=task))
+        while self.transport.pending_settlements():
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os._exit(17)
+
+    def _fault(self, point: str) -> None:
+        """Test-only: die at a named point (``CRAWLD_TEST_FAULT=after_store``)."""
+        if self._fault_point == point:
+            os._exit(17)
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
+
+
+def run_worker(cfg: Config) -> int:
+    """Entry point of `crawld worker` and of each supervisor child."""
+    from .store import open_store
+    from .transports import make_transport
+    worker_id = f"{socket.gethostname()}:{os.getpid()}"
+    store = open_store(cfg.store, pool_size=cfg.workers.threads + 2)
+    fetcher = Fetcher(cfg.fetch, pool_size=cfg.workers.threads, run_dir=cfg.workers.run_dir)
+    early_ack = os.environ.get(FAULT_ENV) == "auto_ack"
+    transport = make_transport(cfg, worker_id, **({"auto_ack": True} if early_ack else {}))
+    worker = Worker(cfg, transport, store, fetcher, Metrics(), worker_id)
+    worker.install_signal_handlers()
+    try:
+        return worker.run()
+    finally:
+        fetcher.close()
+        store.close()
