@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("publish", "Publish URLs (one per line, or JSON lines) through the outbox.")
     p.add_argument("file", help="file of URLs, or - for stdin")
     p.add_argument("--round", default="0", help="crawl round; part of the task id")
+    p.add_argument("--no-declare", action="store_true",
+                   help="do not declare queues/streams (publish fails if they are missing)")
     p.add_argument("--transport", choices=["amqp", "jetstream"])
     p.add_argument("--broker", help="broker URL (overrides broker.url)")
     p = cmd("status", "Workers, queue depths and store counts.")
@@ -139,7 +141,8 @@ def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
     except OSError as exc:
         raise UsageError(f"{args.file}: {exc.strerror}") from None
     with stream:
-        summary = publish_file(cfg, store, stream, args.round, terminal_progress())
+        summary = publish_file(cfg, store, stream, args.round, terminal_progress(),
+                               declare=not args.no_declare)
     store.close()
     print(f"read {summary.read}  new {summary.new}  invalid {summary.invalid}  "
           f"published {summary.published}  confirmed {summary.confirmed}  failed {summary.failed}")

@@ -1,24 +1,62 @@
-"""HTTP fetching (first cut): one shared urllib3 PoolManager per worker process.
+"""HTTP fetching: one shared urllib3 PoolManager per worker process, guarded and polite.
 
 Contract used by the worker (keep it stable):
-    fetcher = Fetcher(cfg.fetch, pool_size=threads, run_dir=...)
+    fetcher = Fetcher(cfg.fetch, pool_size=threads, run_dir=..., stats=stats)
     result: FetchResult = fetcher.fetch(url)      # never raises for network problems
     fetcher.close()
 
 ``FetchResult.kind`` is one of:
-    "response" -- an HTTP response was received (any status); redirects already followed
+    "response" -- an HTTP response was received (any status); redirects already followed;
+                  ``redirects`` = chain length, ``final_url`` = last URL, ``retry_after_s``
+                  set for 429/503 (seconds or HTTP-date, capped by retry_after_max_s)
     "skipped"  -- policy refused it (reason: robots, scheme, private_address, out_of_scope)
     "error"    -- transient: timeout, connection, dns, tls, proxy, robots_unavailable, politeness
-    "failed"   -- permanent, not HTTP: too_large, redirect_loop, too_many_redirects, bad_url
+                  (politeness: no host slot within ``politeness_wait_s``; ``retry_after_s``
+                  then carries the wait we know of, if any)
+    "failed"   -- permanent, not HTTP: too_large, redirect_loop, too_many_redirects, bad_url,
+                  bad_encoding (the Content-Encoding could not be decoded)
+
+What one ``fetch(url)`` does, per hop of the redirect chain:
+  1. NetGuard: http(s) only, resolve once, refuse private/loopback/... (netguard.py);
+  2. robots.txt of the hop's origin, RFC 9309 (robots.py), unless obey_robots is false;
+  3. a host-wide politeness slot and start time (politeness.py);
+  4. GET to the checked IP with Host/SNI = hostname; our code follows redirects (every
+     hop goes through 1-3 again), drops credentials when the origin changes, stops loops;
+  5. the body is streamed and decoded (gzip, deflate, br) with a cap on the *decoded*
+     size: urllib3 >= 2.6 bounds each decompression step, so a bomb costs at most the cap.
+``timeout_s`` is a wall-clock budget for the network work of the task (DNS, connect,
+robots.txt, every hop, the body), enforced by a watchdog that cuts the socket; time
+spent waiting for a politeness slot is bounded separately by ``politeness_wait_s``.
+Counters use Scrapy's stat names (stats.py).
 """
 from __future__ import annotations
 
+import base64
+import email.utils
+import http.client
+import ssl
 import time
 from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urljoin
 
 import urllib3
+from urllib3.exceptions import (DecodeError, HTTPError, LocationValueError, NameResolutionError,
+                                NewConnectionError, ProxyError, SSLError)
+from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from .config import FetchConfig
+from .netguard import (BadURL, DeadlineScope, NetGuard, Refusal, Resolver, Target,
+                       connection_pool, deadline_scope, make_pool_manager, parse_url)
+from .politeness import HostLimiter, PolitenessTimeout
+from .robots import MAX_ROBOTS_BYTES, RobotsCache
+from .stats import Stats
+
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+ROBOTS_MAX_REDIRECTS = 5            # RFC 9309: follow at least five
+CHUNK = 64 * 1024
+DRAIN_LIMIT = 64 * 1024             # redirect bodies up to this are read to keep the connection
+ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"   # Scrapy's default
 
 
 @dataclass
@@ -35,50 +73,302 @@ class FetchResult:
     retry_after_s: float | None = None
     elapsed_s: float = 0.0
     headers: dict[str, str] = field(default_factory=dict)
+    chain: list[str] = field(default_factory=list)   # every URL requested, in order
+    peer_ip: str = ""                                # the address the last hop connected to
+
+
+@dataclass
+class _Task:
+    """Mutable state of one fetch: its network deadline (monotonic)."""
+    deadline: float
+
+
+@dataclass
+class _Redirect:
+    status: int
+    location: str
 
 
 class Fetcher:
-    def __init__(self, cfg: FetchConfig, pool_size: int = 16, run_dir: str = "") -> None:
-        self.cfg = cfg
-        self.pool = urllib3.PoolManager(num_pools=64, maxsize=pool_size, block=False,
-                                        retries=False)
+    """Thread-safe: one per worker process, shared by its thread pool."""
 
+    def __init__(self, cfg: FetchConfig, pool_size: int = 16, run_dir: str = "", *,
+                 stats: Stats | None = None, politeness_wait_s: float | None = None,
+                 robots_error_ttl_s: float = 30.0, resolver: Resolver | None = None,
+                 ca_certs: str | None = None) -> None:
+        self.cfg = cfg
+        self.stats = stats if stats is not None else Stats()
+        self.guard = NetGuard(cfg.allow_networks, resolver=resolver,
+                              dns_timeout_s=cfg.connect_timeout_s)
+        self.pool = make_pool_manager(pool_size, **({"ca_certs": ca_certs} if ca_certs else {}))
+        self.limiter = HostLimiter(run_dir, cfg.per_host_concurrency, cfg.per_host_delay_s,
+                                   max_not_before_s=cfg.retry_after_max_s)
+        self.politeness_wait_s = (min(cfg.timeout_s, 30.0) if politeness_wait_s is None
+                                  else politeness_wait_s)
+        self.robots: RobotsCache | None = None
+        if cfg.obey_robots:
+            self.robots = RobotsCache(cfg.user_agent, self._fetch_robots, ttl_s=cfg.robots_cache_s,
+                                      error_ttl_s=robots_error_ttl_s, stats=self.stats,
+                                      max_crawl_delay_s=cfg.retry_after_max_s)
+        self.headers = {"User-Agent": cfg.user_agent, "Accept": ACCEPT, "Accept-Language": "en",
+                        "Accept-Encoding": urllib3.util.make_headers(accept_encoding=True)["accept-encoding"]}
+
+    # -- public ------------------------------------------------------------------------
     def fetch(self, url: str) -> FetchResult:
+        """Fetch ``url`` following redirects; never raises for network or policy problems."""
         started = time.monotonic()
-        if not url.startswith(("http://", "https://")):
-            return FetchResult("skipped", url, reason="scheme", error="not http(s)")
-        try:
-            resp = self.pool.request(
-                "GET", url, preload_content=False, redirect=True,
-                retries=urllib3.Retry(total=False, redirect=self.cfg.max_redirects, raise_on_redirect=False),
-                timeout=urllib3.Timeout(connect=self.cfg.connect_timeout_s, read=self.cfg.timeout_s),
-                headers={"User-Agent": self.cfg.user_agent})
-            body = resp.read(self.cfg.max_body_bytes + 1, decode_content=True)
-            resp.release_conn()
-        except urllib3.exceptions.TimeoutError as exc:
-            return FetchResult("error", url, reason="timeout", error=str(exc),
-                               elapsed_s=time.monotonic() - started)
-        except urllib3.exceptions.HTTPError as exc:
-            return FetchResult("error", url, reason="connection", error=str(exc),
-                               elapsed_s=time.monotonic() - started)
-        if len(body) > self.cfg.max_body_bytes:
-            return FetchResult("failed", url, reason="too_large", http_status=resp.status,
-                               elapsed_s=time.monotonic() - started)
-        final_url = resp.geturl() or url
-        return FetchResult("response", url, final_url=final_url, http_status=resp.status,
-                           content_type=resp.headers.get("Content-Type", ""), body=body,
-                           redirects=len(resp.retries.history) if resp.retries else 0,
-                           retry_after_s=_retry_after(resp.headers.get("Retry-After")),
-                           elapsed_s=time.monotonic() - started)
+        result = self._follow(url, _Task(started + self.cfg.timeout_s), obey_robots=self.robots is not None,
+                              max_redirects=self.cfg.max_redirects,
+                              max_bytes=self.cfg.max_body_bytes, truncate=False)
+        result.elapsed_s = time.monotonic() - started
+        self.stats.inc(f"fetch/result_count/{result.kind}")
+        if result.reason:
+            self.stats.inc(f"fetch/reason_count/{result.reason}")
+        return result
 
     def close(self) -> None:
         self.pool.clear()
+        self.guard.close()
+
+    # -- the redirect chain --------------------------------------------------------------
+    def _follow(self, url: str, task: _Task, *, obey_robots: bool, max_redirects: int,
+                max_bytes: int, truncate: bool) -> FetchResult:
+        chain: list[str] = []
+        auth = _basic_auth(url)
+        current = url
+        while True:
+            hops = len(chain)
+            target = self.guard.check(current, task.deadline)
+            if isinstance(target, Refusal):
+                return self._refused(url, current, target, chain)
+            chain.append(target.url)
+            if auth and auth[0] != target.origin:
+                auth = None             # credentials never leave the origin they were given for
+            outcome = self._visit(target, task, obey_robots, auth[1] if auth else None,
+                                  max_bytes, truncate)
+            if isinstance(outcome, FetchResult):
+                outcome.url, outcome.final_url, outcome.redirects = url, target.url, hops
+                outcome.chain = chain
+                return outcome
+            nxt = self._next_hop(url, target, outcome, chain, max_redirects)
+            if isinstance(nxt, FetchResult):
+                return nxt
+            current = nxt
+
+    def _next_hop(self, url: str, target: Target, redirect: _Redirect, chain: list[str],
+                  max_redirects: int) -> str | FetchResult:
+        hops = len(chain) - 1
+        location = urljoin(target.url, redirect.location.strip())
+
+        def failed(reason: str, error: str) -> FetchResult:
+            return FetchResult("failed", url, final_url=target.url, http_status=redirect.status,
+                               reason=reason, error=error, redirects=hops, chain=chain)
+        try:
+            normalised = parse_url(location).url
+        except BadURL as exc:
+            return failed("bad_url", f"redirect to {location!r}: {exc}")
+        if normalised in chain:
+            return failed("redirect_loop", f"{target.url} redirects back to {normalised} "
+                          f"after {hops + 1} redirect(s)")
+        if hops >= max_redirects:
+            return failed("too_many_redirects", f"more than {max_redirects} redirects "
+                          f"(next: {normalised})")
+        return location
+
+    def _refused(self, url: str, current: str, refusal: Refusal, chain: list[str]) -> FetchResult:
+        if refusal.kind == "skipped":
+            self.stats.inc(f"netguard/refused/{refusal.reason}")
+        return FetchResult(refusal.kind, url, final_url=current, reason=refusal.reason,
+                           error=refusal.detail, redirects=len(chain), chain=list(chain))
+
+    # -- one hop -------------------------------------------------------------------------
+    def _visit(self, target: Target, task: _Task, obey_robots: bool, auth: str | None,
+               max_bytes: int, truncate: bool) -> FetchResult | _Redirect:
+        if obey_robots and self.robots is not None:
+            verdict = self.robots.check(target.origin, target.url, task.deadline)
+            if verdict.unreachable:
+                return FetchResult("error", target.url, reason="robots_unavailable", error=verdict.detail)
+            if not verdict.allowed:
+                return FetchResult("skipped", target.url, reason="robots",
+                                   error=f"disallowed by {target.origin}/robots.txt")
+        if time.monotonic() >= task.deadline:
+            return self._timeout(target, "deadline reached before the request")
+        delay = self.robots.crawl_delay(target.origin) if self.robots is not None else None
+        try:
+            slot = self.limiter.acquire(target.host, wait_s=self.politeness_wait_s,
+                                        min_delay_s=delay or 0.0)
+        except PolitenessTimeout as exc:
+            self.stats.inc("politeness/timeout")
+            return FetchResult("error", target.url, reason="politeness", error=str(exc),
+                               retry_after_s=exc.retry_in_s)
+        task.deadline += slot.waited_s  # waiting for our turn is not network time
+        try:
+            return self._exchange(target, task, auth, max_bytes, truncate)
+        finally:
+            slot.release()
+
+    def _exchange(self, target: Target, task: _Task, auth: str | None, max_bytes: int,
+                  truncate: bool) -> FetchResult | _Redirect:
+        headers = dict(self.headers, Host=target.host_header)
+        if auth:
+            headers["Authorization"] = auth
+        remaining = max(0.001, task.deadline - time.monotonic())
+        timeout = urllib3.Timeout(connect=min(self.cfg.connect_timeout_s, remaining), read=remaining)
+        self.stats.inc("downloader/request_count")
+        self.stats.inc("downloader/request_method_count/GET")
+        with deadline_scope(task.deadline) as scope:
+            resp = None
+            try:
+                resp = connection_pool(self.pool, target).urlopen(
+                    "GET", target.path, headers=headers, redirect=False, retries=False,
+                    preload_content=False, decode_content=True, assert_same_host=False,
+                    release_conn=False, timeout=timeout)
+                return self._handle(resp, target, scope, max_bytes, truncate)
+            except (HTTPError, OSError, http.client.HTTPException) as exc:
+                return self._network_error(exc, target, scope)
+            finally:
+                if resp is not None:
+                    _finish(resp)
+
+    def _handle(self, resp: Any, target: Target, scope: DeadlineScope, max_bytes: int,
+                truncate: bool) -> FetchResult | _Redirect:
+        status = resp.status
+        self.stats.inc("downloader/response_count")
+        self.stats.inc(f"downloader/response_status_count/{status}")
+        location = resp.headers.get("Location")
+        if status in REDIRECT_STATUSES and location:
+            _discard(resp)
+            return _Redirect(status, location)
+        retry_after = None
+        if status in (429, 503):
+            retry_after = parse_retry_after(resp.headers.get("Retry-After"), self.cfg.retry_after_max_s)
+            self.limiter.backoff(target.host, retry_after)
+            self.stats.inc("politeness/backoff")
+        body, too_large = self._read_body(resp, max_bytes, truncate)
+        if scope.fired:     # the watchdog cut the socket: any body we have may be partial
+            return self._timeout(target, f"total deadline of {self.cfg.timeout_s:g}s exceeded")
+        if too_large:
+            return FetchResult("failed", target.url, http_status=status, reason="too_large",
+                               error=f"body larger than {max_bytes} bytes (decoded)",
+                               peer_ip=target.ip)
+        return FetchResult("response", target.url, http_status=status,
+                           content_type=resp.headers.get("Content-Type", ""), body=body,
+                           retry_after_s=retry_after, headers=dict(resp.headers), peer_ip=target.ip)
+
+    def _read_body(self, resp: Any, max_bytes: int, truncate: bool) -> tuple[bytes, bool]:
+        """Stream and decode at most ``max_bytes``; (body, too_large). ``truncate``: cut, no error."""
+        encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+        declared = _content_length(resp)
+        if not truncate and encoding in ("", "identity") and declared is not None and declared > max_bytes:
+            return b"", True        # early reject: do not download what we would throw away
+        buf = bytearray()
+        while True:
+            # read(amt, decode_content=True) returns at most amt *decoded* bytes and
+            # decompresses incrementally, so memory stays ~ max_bytes + CHUNK.
+            chunk = resp.read(min(CHUNK, max_bytes + 1 - len(buf)), decode_content=True)
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > max_bytes:
+                if not truncate:
+                    return b"", True
+                del buf[max_bytes:]
+                break
+        self.stats.inc("downloader/response_bytes", len(buf))
+        if encoding not in ("", "identity"):
+            self.stats.inc("httpcompression/response_count")
+            self.stats.inc("httpcompression/response_bytes", len(buf))
+        return bytes(buf), False
+
+    # -- errors --------------------------------------------------------------------------
+    def _network_error(self, exc: BaseException, target: Target, scope: DeadlineScope) -> FetchResult:
+        self.stats.inc("downloader/exception_count")
+        self.stats.inc(f"downloader/exception_type_count/{type(exc).__module__}.{type(exc).__qualname__}")
+        if scope.fired:
+            return self._timeout(target, f"total deadline of {self.cfg.timeout_s:g}s exceeded ({exc})")
+        kind, reason = classify_exception(exc)
+        return FetchResult(kind, target.url, reason=reason, error=str(exc), peer_ip=target.ip)
+
+    def _timeout(self, target: Target, error: str) -> FetchResult:
+        return FetchResult("error", target.url, reason="timeout", error=error, peer_ip=target.ip)
+
+    # -- robots.txt ----------------------------------------------------------------------
+    def _fetch_robots(self, url: str, deadline: float) -> FetchResult:
+        """robots.txt through the same guard, pool and politeness; first 500 KiB only."""
+        return self._follow(url, _Task(deadline), obey_robots=False,
+                            max_redirects=ROBOTS_MAX_REDIRECTS, max_bytes=MAX_ROBOTS_BYTES,
+                            truncate=True)
 
 
-def _retry_after(value: str | None) -> float | None:
-    if not value:
+def classify_exception(exc: BaseException) -> tuple[str, str]:
+    """(kind, reason) for an exception raised by urllib3 / the socket layer."""
+    if isinstance(exc, DecodeError):
+        return "failed", "bad_encoding"
+    if isinstance(exc, LocationValueError):
+        return "failed", "bad_url"
+    if isinstance(exc, (SSLError, ssl.SSLError)):
+        return "error", "tls"
+    if isinstance(exc, ProxyError):
+        return "error", "proxy"
+    if isinstance(exc, NameResolutionError):
+        return "error", "dns"
+    if isinstance(exc, NewConnectionError):     # subclasses ConnectTimeoutError: test it first
+        return "error", "connection"
+    if isinstance(exc, (Urllib3Timeout, TimeoutError)):
+        return "error", "timeout"
+    return "error", "connection"
+
+
+def parse_retry_after(value: str | None, cap_s: float, now: float | None = None) -> float | None:
+    """Retry-After as seconds from now: delay-seconds or an HTTP-date; clamped to [0, cap_s]."""
+    if not value or not value.strip():
         return None
+    value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if seconds != seconds:          # NaN
+        return None
+    return min(max(0.0, seconds), cap_s)
+
+
+def _basic_auth(url: str) -> tuple[str, str] | None:
+    """(origin, Authorization header) from userinfo in ``url``, if any."""
+    try:
+        parts = parse_url(url)
+    except BadURL:
+        return None
+    if parts.username is None:
+        return None
+    user, password = unquote(parts.username), unquote(parts.password or "")
+    token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+    origin = parts.url[: len(parts.url) - len(parts.path)]
+    return origin, f"Basic {token}"
+
+
+def _content_length(resp: Any) -> int | None:
+    try:
+        value = int(resp.headers.get("Content-Length", ""))
     except ValueError:
         return None
+    return value if value >= 0 else None
+
+
+def _discard(resp: Any) -> None:
+    """Skip a redirect's body: read a small one (keeps the connection), else drop it."""
+    length = _content_length(resp)
+    if length is not None and length <= DRAIN_LIMIT:
+        resp.drain_conn()
+
+
+def _finish(resp: Any) -> None:
+    # A body we stopped reading (cap, truncation, error) leaves bytes on the wire: close
+    # the connection instead of handing a desynchronised one back to the pool.
+    if not resp.isclosed():
+        resp.close()
+    resp.release_conn()

@@ -54,11 +54,12 @@ def read_tasks(lines: Iterable[str], round_: str) -> tuple[list[Task], int]:
 
 
 def publish_file(cfg: Config, store: Store, stream: IO[str], round_: str,
-                 progress: Callable[[int, int], None] | None = None) -> PublishSummary:
+                 progress: Callable[[int, int], None] | None = None,
+                 declare: bool = True) -> PublishSummary:
     tasks, invalid = read_tasks(stream, round_)
     summary = PublishSummary(read=len(tasks), invalid=invalid)
     summary.new = store.outbox_add(tasks)
-    report = publish_unconfirmed(cfg, store, progress)
+    report = publish_unconfirmed(cfg, store, progress, declare)
     summary.published = len(report.confirmed) + len(report.failed)
     summary.confirmed = len(report.confirmed)
     summary.failed = len(report.failed)
@@ -67,12 +68,15 @@ def publish_file(cfg: Config, store: Store, stream: IO[str], round_: str,
 
 
 def publish_unconfirmed(cfg: Config, store: Store,
-                        progress: Callable[[int, int], None] | None = None) -> PublishReport:
+                        progress: Callable[[int, int], None] | None = None,
+                        declare: bool = True) -> PublishReport:
     """Publish every outbox row still ``new`` (this run's and earlier runs' leftovers)."""
     pending = store.outbox_unconfirmed()
     total = len(pending)
     report = PublishReport()
-    with make_publisher(cfg) as publisher:
+    if not pending:
+        return PublishReport()
+    with make_publisher(cfg, **({} if declare else {"declare": False})) as publisher:
         for start in range(0, total, BATCH):
             batch = pending[start:start + BATCH]
             offset = start

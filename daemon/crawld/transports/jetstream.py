@@ -160,13 +160,21 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> None:
                      replicas=want.num_replicas)
             return
         except jse.BadRequestError as exc:
-            # Lost a creation race to another worker with other settings, or refused.
-            log.warning("jetstream_stream_create_refused", stream=want.name, error=str(exc))
-            info = await js.stream_info(want.name)
+            # Either another worker won a creation race (then it exists now), or the server
+            # refuses it for good (e.g. another stream already owns the subjects).
+            info = await _info_or_refuse(js.stream_info(want.name), f"stream {want.name}", exc)
     diffs = config_drift(info.config, want, STREAM_DRIFT_FIELDS)
     if diffs:
         log.warning("jetstream_stream_drift", stream=want.name, diffs=diffs,
                     hint="existing stream kept as is; update it deliberately to apply the config")
+
+
+async def _info_or_refuse(lookup: Awaitable[T], what: str, exc: jse.APIError) -> T:
+    try:
+        return await lookup
+    except jse.NotFoundError:
+        raise TopologyError(f"{what} refused by the server: {exc.description} "
+                            f"(err_code {exc.err_code})") from None
 
 
 async def ensure_streams(js: JetStreamContext, cfg: Config) -> None:
@@ -182,11 +190,12 @@ async def ensure_consumer(js: JetStreamContext, cfg: Config) -> dict[str, dict[s
     except jse.NotFoundError:
         try:
             await js.add_consumer(STREAM, want)
+            log.info("jetstream_consumer_created", stream=STREAM, consumer=cfg.queue.name,
+                     ack_wait_s=want.ack_wait, max_ack_pending=want.max_ack_pending)
+            return {}
         except jse.BadRequestError as exc:
-            raise TopologyError(await _consumer_refused_message(js, cfg, exc)) from None
-        log.info("jetstream_consumer_created", stream=STREAM, consumer=cfg.queue.name,
-                 ack_wait_s=want.ack_wait, max_ack_pending=want.max_ack_pending)
-        return {}
+            info = await _info_or_refuse(js.consumer_info(STREAM, cfg.queue.name),
+                                         await _consumer_refusal(js, cfg), exc)
     diffs = config_drift(info.config, want, CONSUMER_DRIFT_FIELDS)
     if diffs:
         log.warning("jetstream_consumer_drift", stream=STREAM, consumer=cfg.queue.name, diffs=diffs,
@@ -194,19 +203,15 @@ async def ensure_consumer(js: JetStreamContext, cfg: Config) -> dict[str, dict[s
     return diffs
 
 
-async def _consumer_refused_message(js: JetStreamContext, cfg: Config, exc: jse.APIError) -> str:
+async def _consumer_refusal(js: JetStreamContext, cfg: Config) -> str:
+    """Name the consumers that already own the work queue: the usual cause is a renamed
+    queue.name (a WorkQueue stream allows one consumer per subject)."""
     try:
-        others = [c.name async for c in _consumer_names(js)]
+        others = [c.name for c in await js.consumers_info(STREAM)]
     except RETRYABLE:
         others = []
-    return (f"stream {STREAM} refused durable consumer {cfg.queue.name!r}: {exc.description} "
-            f"(err_code {exc.err_code}). A WorkQueue stream allows one consumer per subject; "
-            f"existing consumers: {others or 'unknown'}. queue.name must match the existing one.")
-
-
-async def _consumer_names(js: JetStreamContext) -> Any:
-    for info in await js.consumers_info(STREAM):
-        yield info
+    return (f"durable consumer {cfg.queue.name!r} on stream {STREAM} (existing consumers: "
+            f"{others or 'unknown'}; queue.name must match the one that owns {WORK_FILTER})")
 
 
 # -- connection ----------------------------------------------------------------------
@@ -423,6 +428,7 @@ class JetStreamTransport(Transport):
         for task in (self._pull_task, self._ticker_task):
             if task is not None:
                 task.cancel()
+        self._pull_task = self._ticker_task = None
 
     # -- pulling ------------------------------------------------------------------------
     async def _pull_loop(self) -> None:

@@ -1,0 +1,175 @@
+"""Drive the real `crawld` CLI as subprocesses, and read its store and JSON logs."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from harness import wait_until
+
+from crawld.config import load_config
+from crawld.store import Store, open_store
+
+CRAWLD = [sys.executable, "-m", "crawld"]
+
+
+class Crawld:
+    """One config file = one crawld installation under test."""
+
+    def __init__(self, config_path: Path, env: dict[str, str] | None = None) -> None:
+        self.config_path = Path(config_path)
+        self.dir = self.config_path.parent
+        self.env = {**os.environ, "CRAWLD_LOG_FORMAT": "json", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.dir / "crawld-run.log"
+        self._store: Store | None = None
+
+    # -- one-shot commands ---------------------------------------------------------------
+    def cli(self, *args: str, input: str | None = None, timeout: float = 120,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        cmd = [*CRAWLD, *args, "-c", str(self.config_path)]
+        return subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout,
+                              env={**self.env, **(env or {})})
+
+    def publish(self, urls: Iterable[str], round_: str = "0") -> subprocess.CompletedProcess:
+        path = self.dir / f"urls-{time.monotonic_ns()}.txt"
+        path.write_text("".join(u + "\n" for u in urls))
+        return self.cli("publish", "--round", round_, str(path))
+
+    def reconcile(self, grace: float = 0.0) -> tuple[int, dict[str, Any]]:
+        done = self.cli("reconcile", "--json", "--grace", str(grace))
+        return done.returncode, json.loads(done.stdout)
+
+    # -- the supervisor ------------------------------------------------------------------
+    def start(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen([*CRAWLD, "run", "-c", str(self.config_path), *extra],
+                                     stdout=log, stderr=subprocess.STDOUT,
+                                     env={**self.env, **(env or {})})
+        log.close()
+        return self.proc
+
+    def send(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def worker_pids(self) -> list[int]:
+        assert self.proc is not None
+        return children_of(self.proc.pid)
+
+    def wait_workers(self, count: int, timeout: float = 30) -> list[int]:
+        wait_until(lambda: len(self.worker_pids()) == count and all(
+            self._state_of(p) == "running" for p in self.worker_pids()), timeout,
+            what=f"{count} running workers")
+        return self.worker_pids()
+
+    def _state_of(self, pid: int) -> str:
+        for w in self.supervisor_state().get("workers", []):
+            if w["pid"] == pid:
+                return w["state"]
+        return ""
+
+    def supervisor_state(self) -> dict[str, Any]:
+        from crawld.supervisor import state_file
+        try:
+            return json.loads(state_file(load_config(str(self.config_path))).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    # -- store and logs ------------------------------------------------------------------
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(load_config(str(self.config_path)).store)
+        return self._store
+
+    def count(self, table: str, where: str = "1=1") -> int:
+        return int(self.store.query(f"SELECT COUNT(*) FROM {table} WHERE {where}")[0][0])
+
+    def finished(self) -> int:
+        return self.count("results") + self.count("dead")
+
+    def wait_finished(self, n: int, timeout: float = 120) -> None:
+        wait_until(lambda: self.finished() >= n, timeout, interval=0.2,
+                   what=f"{n} tasks finished (have {self.finished()})")
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        if not self.log_path.exists():
+            return out
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if name is None or event.get("event") == name:
+                out.append(event)
+        return out
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in all_descendants(self.proc.pid) if self.proc else []:
+            _kill(pid)
+        if self._store is not None:
+            self._store.close()
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(entry))
+    return sorted(out)
+
+
+def all_descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for p in frontier for c in children_of(p)]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def sqlite_rows(db: Path, sql: str) -> list[tuple]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
+    wait_until(check, timeout, interval=0.1, what=what)
