@@ -40,7 +40,7 @@ def setup_logging(cfg: LogConfig, role: str, stream: Any = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[cfg.level.lower()]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=structlog.WriteLoggerFactory(file=stream),   # one write per line: several processes share the stream
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()

@@ -17,8 +17,9 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from .classify import Decision, Verdict, classify
 from .config import Config
@@ -33,6 +34,7 @@ log = get_logger("crawld.worker")
 
 HEARTBEAT_FD_ENV = "CRAWLD_HEARTBEAT_FD"
 FAULT_ENV = "CRAWLD_TEST_FAULT"      # test-only crash points, see _fault()
+FAULT_ONCE_ENV = "CRAWLD_TEST_FAULT_ONCE_FILE"   # fire once per test run, not per process
 HEARTBEAT_EVERY_S = 1.0
 
 
@@ -60,12 +62,13 @@ class Worker:
         self.state = WorkerState(started_at=time.time())
         self._lock = threading.Lock()
         self._futures: dict[Future, Delivery] = {}
+        self._active_ids: dict[str, threading.Event] = {}
         self._stop = False
         self._fast_stop = False
         self._parent = os.getppid()
         self._heartbeat_fd = _int_env(HEARTBEAT_FD_ENV)
         self._last_beat = 0.0
-        self._fault_point = os.environ.get(FAULT_ENV, "")
+        self._faults = set(filter(None, os.environ.get(FAULT_ENV, "").split(",")))
 
     # -- life cycle ------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -179,6 +182,28 @@ class Worker:
             task = parse_message(delivery.body, delivery.message_id, self.cfg.queue.max_message_bytes)
         except MalformedMessage as exc:
             return self._malformed(delivery, exc)
+        with self._claim(task.task_id):
+            return self._handle_task(delivery, task)
+
+    @contextmanager
+    def _claim(self, task_id: str) -> Iterator[None]:
+        """A redelivered copy of a task this process is still fetching (e.g. after a
+        reconnect) waits for the first copy instead of fetching the page twice."""
+        with self._lock:
+            running = self._active_ids.get(task_id)
+            mine = None if running else self._active_ids.setdefault(task_id, threading.Event())
+        if running is not None:
+            running.wait(self.cfg.fetch.timeout_s + 5)
+            yield
+            return
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active_ids.pop(task_id, None)
+            mine.set()
+
+    def _handle_task(self, delivery: Delivery, task: Task) -> Settlement:
         bound = log.bind(task_id=task.task_id, url=task.url, attempt=delivery.attempt)
         if self.store.has_result(task.task_id):
             bound.info("duplicate_skipped", redelivered=delivery.redelivered)
@@ -308,7 +333,7 @@ class Worker:
 
     def _early_ack_demo(self, delivery: Delivery, task: Task) -> None:
         """Test-only ``early_ack`` mode: ack before storing, then die. Shows the loss we avoid."""
-        if self._fault_point != "early_ack":
+        if "early_ack" not in self._faults or not _fault_armed():
             return
         self.transport.settle(delivery, Settlement(Action.ACK, task=task))
         while self.transport.pending_settlements():
@@ -318,8 +343,20 @@ class Worker:
 
     def _fault(self, point: str) -> None:
         """Test-only: die at a named point (``CRAWLD_TEST_FAULT=after_store``)."""
-        if self._fault_point == point:
+        if point in self._faults and _fault_armed():
             os._exit(17)
+
+
+def _fault_armed() -> bool:
+    """With CRAWLD_TEST_FAULT_ONCE_FILE set, only the first process to get here fires."""
+    marker = os.environ.get(FAULT_ONCE_ENV)
+    if not marker:
+        return True
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
 
 
 def _int_env(name: str) -> int | None:
@@ -337,8 +374,8 @@ def run_worker(cfg: Config) -> int:
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     store = open_store(cfg.store, pool_size=cfg.workers.threads + 2)
     fetcher = Fetcher(cfg.fetch, pool_size=cfg.workers.threads, run_dir=cfg.workers.run_dir)
-    early_ack = os.environ.get(FAULT_ENV) == "auto_ack"
-    transport = make_transport(cfg, worker_id, **({"auto_ack": True} if early_ack else {}))
+    auto_ack = "auto_ack" in os.environ.get(FAULT_ENV, "").split(",")   # test-only demonstration
+    transport = make_transport(cfg, worker_id, **({"auto_ack": True} if auto_ack else {}))
     worker = Worker(cfg, transport, store, fetcher, Metrics(), worker_id)
     worker.install_signal_handlers()
     try:

@@ -1,0 +1,121 @@
+"""The store, on SQLite and on a real PostgreSQL: the same assertions on both."""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+import uuid
+
+import pytest
+
+from crawld.config import StoreConfig
+from crawld.store import DeadRow, ResultRow, open_store
+from crawld.task import new_task
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/s.db"
+    else:
+        pg = request.getfixturevalue("postgres")
+        url = pg.create_database(f"s{uuid.uuid4().hex[:10]}")
+    s = open_store(StoreConfig(url=url, body_dir=str(tmp_path / "bodies")))
+    s.url = url
+    yield s
+    s.close()
+
+
+def _result(task_id: str, status: str = "fetched", worker: str = "w1") -> ResultRow:
+    return ResultRow(task_id=task_id, url=f"http://h/{task_id}", final_url="", status=status,
+                     http_status=200, reason="", content_type="text/html", bytes=3, body_sha256="",
+                     attempts=1, fetched_at=time.time(), worker=worker)
+
+
+def test_outbox_is_idempotent_and_tracks_confirms(store):
+    tasks = [new_task(f"http://h/{i}") for i in range(10)]
+    assert store.outbox_add(tasks) == 10
+    assert store.outbox_add(tasks) == 0
+    assert len(store.outbox_unconfirmed()) == 10
+    store.outbox_mark_confirmed([t.task_id for t in tasks[:7]])
+    store.outbox_mark_failed({tasks[7].task_id: "unroutable"})
+    assert {t.task_id for t in store.outbox_unconfirmed()} == {t.task_id for t in tasks[7:]}
+    counts = store.counts()
+    assert counts["confirmed"] == 7 and counts["unconfirmed"] == 3
+
+
+def test_result_upsert_one_row_per_task(store):
+    store.put_result(_result("a"))
+    store.put_result(_result("a", status="http_error", worker="w2"))
+    row = store.get_result("a")
+    assert row["status"] == "http_error" and row["worker"] == "w2" and row["writes"] == 2
+    assert store.query("SELECT COUNT(*) FROM results")[0][0] == 1
+    assert store.has_result("a") and not store.has_result("b")
+
+
+def test_reconcile_finds_lost(store):
+    tasks = [new_task(f"http://h/{i}") for i in range(4)]
+    store.outbox_add(tasks)
+    store.outbox_mark_confirmed([t.task_id for t in tasks])
+    store.put_result(_result(tasks[0].task_id))
+    store.put_dead(DeadRow(task_id=tasks[1].task_id, url=tasks[1].url, reason="r", error="e",
+                           attempts=5, origin="crawl", dead_at=time.time()))
+    assert store.lost(grace_s=0) == sorted([tasks[2].task_id, tasks[3].task_id])
+    assert store.lost(grace_s=3600) == []
+    store.remove_dead([tasks[1].task_id])
+    assert tasks[1].task_id in store.lost(0)
+
+
+def test_dead_rows_and_redelivery_counter(store):
+    for i in range(3):
+        store.put_dead(DeadRow(task_id=f"d{i}", url=f"http://h/{i}", reason="retries_exhausted",
+                               error="HTTP 500", attempts=5, origin="crawl", dead_at=time.time() - i * 100))
+    assert [r.task_id for r in store.list_dead(limit=2)] == ["d0", "d1"]
+    assert store.dead_since(time.time() - 50) == 1
+    assert [store.bump_redelivery("x") for _ in range(3)] == [1, 2, 3]
+
+
+def test_bodies_content_addressed(store):
+    digest = store.save_body(b"hello")
+    assert store.save_body(b"hello") == digest
+    assert store.body_path(digest).read_bytes() == b"hello"
+
+
+def test_many_threads_write_at_once(store):
+    errors = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(50):
+                store.put_result(_result(f"t{i}", worker=f"w{n}"))
+                store.put_attempt(f"t{i}", n, "u", "e", 500, 1.0, f"w{n}")
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert store.query("SELECT COUNT(*) FROM results")[0][0] == 50
+    assert store.query("SELECT SUM(writes) FROM results")[0][0] == 400
+
+
+def _process_writer(url: str, body_dir: str, n: int) -> None:
+    s = open_store(StoreConfig(url=url, body_dir=body_dir))
+    for i in range(100):
+        s.put_result(_result(f"p{i}", worker=f"proc{n}"))
+    s.close()
+
+
+def test_several_processes_write_at_once(store, tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_process_writer, args=(store.url, str(tmp_path / "b"), n)) for n in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    assert store.query("SELECT COUNT(*) FROM results")[0][0] == 100
+    assert store.query("SELECT SUM(writes) FROM results")[0][0] == 400
