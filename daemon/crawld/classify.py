@@ -13,7 +13,8 @@ from .fetch import FetchResult
 RETRYABLE_ERRORS = frozenset({"timeout", "connection", "dns", "tls", "proxy",
                               "robots_unavailable", "politeness"})
 SKIP_REASONS = frozenset({"robots", "scheme", "private_address", "out_of_scope"})
-PERMANENT_FAILURES = frozenset({"too_large", "redirect_loop", "too_many_redirects", "bad_url"})
+PERMANENT_FAILURES = frozenset({"too_large", "redirect_loop", "too_many_redirects", "bad_url",
+                                "bad_encoding"})
 RETRY_HTTP = frozenset({408, 429})
 RETRY_AFTER_HTTP = frozenset({429, 503})
 

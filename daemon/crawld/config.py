@@ -9,6 +9,7 @@ import dataclasses
 import ipaddress
 import json
 import os
+import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -51,6 +52,7 @@ class WorkersConfig:
     drain_timeout_s: float = 30.0
     liveness_timeout_s: float = 60.0
     crash_limit: int = 10
+    backoff_max_s: float = 30.0
     pid_file: str = ""
     run_dir: str = ""
 
@@ -235,6 +237,7 @@ def validate(cfg: Config) -> None:
         (cfg.workers.drain_timeout_s >= 0, "workers.drain_timeout_s: must be >= 0"),
         (cfg.workers.liveness_timeout_s >= 1, "workers.liveness_timeout_s: must be >= 1"),
         (cfg.workers.crash_limit >= 1, "workers.crash_limit: must be >= 1"),
+        (cfg.workers.backoff_max_s > 0, "workers.backoff_max_s: must be > 0"),
         (cfg.fetch.timeout_s > 0, "fetch.timeout_s: must be > 0"),
         (cfg.fetch.connect_timeout_s > 0, "fetch.connect_timeout_s: must be > 0"),
         (cfg.fetch.max_body_bytes > 0, "fetch.max_body_bytes: must be > 0"),
@@ -289,3 +292,13 @@ def env_for(cfg: Config) -> dict[str, str]:
 def sqlite_path(store_url: str) -> Path:
     """``sqlite:///var/lib/x.db`` and ``sqlite:////var/lib/x.db`` both mean /var/lib/x.db."""
     return Path("/" + store_url[len("sqlite://"):].lstrip("/"))
+
+
+def runtime_dir(cfg: Config) -> Path:
+    """State file and politeness locks; must be ours, since other users could forge them."""
+    base = cfg.workers.run_dir or os.path.join(tempfile.gettempdir(), f"crawld-{os.getuid()}")
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.stat().st_uid != os.getuid():
+        raise ConfigError(f"workers.run_dir: {path} belongs to another user")
+    return path

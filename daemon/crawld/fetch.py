@@ -178,6 +178,8 @@ class Fetcher:
     def _refused(self, url: str, current: str, refusal: Refusal, chain: list[str]) -> FetchResult:
         if refusal.kind == "skipped":
             self.stats.inc(f"netguard/refused/{refusal.reason}")
+        if refusal.address_class:
+            self.stats.inc(f"netguard/address_class_count/{refusal.address_class}")
         return FetchResult(refusal.kind, url, final_url=current, reason=refusal.reason,
                            error=refusal.detail, redirects=len(chain), chain=list(chain))
 
@@ -187,7 +189,7 @@ class Fetcher:
         if obey_robots and self.robots is not None:
             verdict = self.robots.check(target.origin, target.url, task.deadline)
             if verdict.unreachable:
-                return FetchResult("error", target.url, reason="robots_unavailable", error=verdict.detail)
+                return FetchResult("error", target.url, reason=verdict.reason, error=verdict.detail)
             if not verdict.allowed:
                 return FetchResult("skipped", target.url, reason="robots",
                                    error=f"disallowed by {target.origin}/robots.txt")
@@ -339,6 +341,8 @@ def parse_retry_after(value: str | None, cap_s: float, now: float | None = None)
 
 def _basic_auth(url: str) -> tuple[str, str] | None:
     """(origin, Authorization header) from userinfo in ``url``, if any."""
+    if "@" not in url:
+        return None             # the common case, without a second parse
     try:
         parts = parse_url(url)
     except BadURL:

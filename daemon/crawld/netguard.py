@@ -55,6 +55,7 @@ Resolver = Callable[[str], list[str]]
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _HOST_OK = re.compile(r"^[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*\.?$")
+_LEGACY_IPV4 = re.compile(r"(0x[0-9a-f]*|\d+)(\.(0x[0-9a-f]*|\d+)){0,3}", re.IGNORECASE)
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -87,6 +88,7 @@ class Refusal:
     kind: str           # skipped | failed | error
     reason: str         # scheme | private_address | bad_url | dns
     detail: str = ""
+    address_class: str = ""     # for private_address: loopback, private, link_local, ...
 
 
 class BadURL(ValueError):
@@ -115,10 +117,11 @@ def parse_url(url: str) -> URLParts:
     scheme = parts.scheme.lower()
     if not scheme:
         raise BadURL("no scheme")
-    host = (parts.hostname or "").rstrip(".") if scheme in DEFAULT_PORTS else (parts.hostname or "")
-    if scheme in DEFAULT_PORTS:
-        _validate_host(host)
-    port = port or DEFAULT_PORTS.get(scheme, 0)
+    if scheme not in DEFAULT_PORTS:     # kept as given: it will only be refused
+        return URLParts(safe, scheme, parts.hostname or "", port or 0, parts.path, None, None)
+    host = (parts.hostname or "").rstrip(".")
+    _validate_host(host)
+    port = port or DEFAULT_PORTS[scheme]
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     bracketed = f"[{host}]" if ":" in host else host
     netloc = bracketed if DEFAULT_PORTS.get(scheme) == port else f"{bracketed}:{port}"
@@ -139,7 +142,15 @@ def _literal_ip(host: str) -> IPAddress | None:
     try:
         return ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        return None
+        pass
+    if _LEGACY_IPV4.fullmatch(host):
+        # "2130706433", "0x7f.1", "0177.0.0.1": getaddrinfo (and browsers) read these as
+        # IPv4 without DNS; classify them as the address they are.
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    return None
 
 
 def address_problem(ip: IPAddress) -> str | None:
@@ -152,8 +163,8 @@ def address_problem(ip: IPAddress) -> str | None:
             return "embedded_ipv4"
     checks = (("loopback", ip.is_loopback), ("link_local", ip.is_link_local),
               ("multicast", ip.is_multicast), ("unspecified", ip.is_unspecified),
-              ("cgnat", ip in _CGNAT), ("private", ip.is_private),
-              ("reserved", ip.is_reserved), ("not_global", not ip.is_global))
+              ("cgnat", ip in _CGNAT), ("reserved", ip.is_reserved),
+              ("private", ip.is_private), ("not_global", not ip.is_global))
     for name, hit in checks:
         if hit:
             return name
@@ -211,24 +222,27 @@ class NetGuard:
         addresses = self.resolve(parts.host, deadline)
         if isinstance(addresses, Refusal):
             return addresses
-        ip, why = self._pick(addresses)
+        ip, problems = self._pick(addresses)
         if ip is None:
-            return Refusal("skipped", "private_address", f"{parts.host} -> {why}")
+            detail = ", ".join(f"{addr}: {why}" for addr, why in problems)
+            return Refusal("skipped", "private_address", f"{parts.host} -> {detail}",
+                           problems[0][1] if problems else "")
         return Target(parts.url, parts.scheme, parts.host, parts.port, ip, parts.path)
 
-    def _pick(self, addresses: list[str]) -> tuple[str | None, str]:
-        reasons = []
+    def _pick(self, addresses: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
+        """The first acceptable address, else None and (address, problem) for each."""
+        problems = []
         for text in addresses:
             try:
                 ip = ipaddress.ip_address(text.split("%", 1)[0])
             except ValueError:
-                reasons.append(f"{text}: unparsable")
+                problems.append((text, "unparsable"))
                 continue
             why = self.problem(ip)
             if why is None:
-                return str(ip), ""
-            reasons.append(f"{ip}: {why}")
-        return None, ", ".join(reasons) or "no address"
+                return str(ip), []
+            problems.append((str(ip), why))
+        return None, problems
 
     def resolve(self, host: str, deadline: float | None = None) -> list[str] | Refusal:
         """Addresses for ``host`` (literal, cached, or one lookup bounded by the deadline)."""

@@ -53,7 +53,11 @@ class PolitenessTimeout(Exception):
     """No slot / start time within the allowed wait; ``retry_in_s`` is a hint when known."""
 
     def __init__(self, host: str, waited_s: float, retry_in_s: float | None = None) -> None:
-        super().__init__(f"no politeness slot for {host} within {waited_s:.1f}s")
+        if retry_in_s is None:
+            message = f"no free politeness slot for {host} within {waited_s:.1f}s"
+        else:
+            message = f"next polite start for {host} is {retry_in_s:.1f}s away, beyond the allowed wait"
+        super().__init__(message)
         self.host = host
         self.waited_s = waited_s
         self.retry_in_s = retry_in_s
@@ -173,7 +177,7 @@ class HostLimiter:
         os.close(fd)                        # closing the descriptor drops the flock
         with self._cv:
             self._held.discard(key)
-            self._cv.notify()
+            self._cv.notify_all()       # waiters may want other hosts; they re-check cheaply
 
     # -- spacing -----------------------------------------------------------------------
     def _reserve_start(self, bucket: str, host: str, min_delay_s: float, wait_left: float) -> float:

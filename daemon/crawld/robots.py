@@ -49,6 +49,7 @@ class RobotsVerdict:
     unreachable: bool = False       # True: robots.txt could not be read, retry later
     crawl_delay_s: float | None = None
     detail: str = ""
+    reason: str = "robots_unavailable"      # the error reason when ``unreachable``
 
 
 @dataclass
@@ -57,6 +58,7 @@ class _Entry:
     parser: Protego | None          # None: allow all (unavailable) or unreachable
     unreachable: bool
     detail: str
+    reason: str = "robots_unavailable"
 
 
 def user_agent_token(user_agent: str) -> str:
@@ -93,7 +95,7 @@ class RobotsCache:
         if entry is None:
             return RobotsVerdict(False, True, detail="robots.txt fetch still running at deadline")
         if entry.unreachable:
-            return RobotsVerdict(False, True, detail=entry.detail)
+            return RobotsVerdict(False, True, detail=entry.detail, reason=entry.reason)
         if entry.parser is None:
             return RobotsVerdict(True, detail=entry.detail)
         allowed = entry.parser.can_fetch(url, self.token)
@@ -139,7 +141,7 @@ class RobotsCache:
         self.stats.inc("robotstxt/request_count")
         result = self._fetch(f"{origin}/robots.txt", deadline)
         entry = self._interpret(result)
-        if entry.unreachable:
+        if entry.unreachable and entry.reason == "robots_unavailable":
             self.stats.inc("robotstxt/unreachable")
         return entry
 
@@ -157,6 +159,10 @@ class RobotsCache:
                 return _Entry(now + self.ttl_s, None, False, f"robots.txt {status} without Location")
             return self._unreachable(now, f"robots.txt answered {status}")
         self.stats.inc(f"robotstxt/exception_count/{result.reason}")
+        if result.reason == "politeness":
+            # Our own queue for the host was full: says nothing about the site, so do not
+            # cache it; the page is retried like any politeness wait.
+            return _Entry(now, None, True, f"robots.txt: {result.error}", reason="politeness")
         if result.kind in ("skipped", "failed") and result.reason in _UNAVAILABLE_REASONS:
             return _Entry(now + self.ttl_s, None, False, f"robots.txt {result.reason}: allow all")
         return self._unreachable(now, f"robots.txt {result.reason}: {result.error}".rstrip(": "))

@@ -14,7 +14,8 @@ where Scrapy has one, and the same ``area/what[/detail]`` shape where it has not
     robotstxt/forbidden                pages refused by robots.txt
     robotstxt/unreachable              robots.txt 5xx/429/network error (RFC 9309: disallow)
     fetch/result_count/<kind>, fetch/reason_count/<reason>   (crawld's outcome table)
-    netguard/refused/<why>             SSRF guard refusals (loopback, private, cgnat, ...)
+    netguard/refused/<reason>          SSRF guard refusals (private_address, scheme)
+    netguard/address_class_count/<c>   what the refused address was (loopback, private, cgnat, ...)
     politeness/timeout, politeness/backoff
 
 The worker owns the retry names and increments them on the same object:

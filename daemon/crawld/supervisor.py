@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import Config, ConfigError, env_for
+from .config import Config, ConfigError, env_for, runtime_dir
 from .logs import get_logger
 from .metrics import MULTIPROC_ENV, mark_worker_dead
 from .worker import HEARTBEAT_FD_ENV
@@ -47,7 +47,6 @@ SIGNAL_NAMES = {signal.SIGHUP: "hup", signal.SIGQUIT: "quit", signal.SIGINT: "in
 TICK_S = 0.5
 STABLE_AFTER_S = 10.0          # a worker that ran this long resets its slot's crash count
 BACKOFF_BASE_S = 0.5
-BACKOFF_MAX_S = 30.0
 KILL_GRACE_S = 10.0            # on top of drain_timeout_s before TERM escalates to KILL
 
 
@@ -75,13 +74,6 @@ class Child:
     @property
     def running(self) -> bool:
         return self.status.get("state") in ("running", "draining")
-
-
-def runtime_dir(cfg: Config) -> Path:
-    base = cfg.workers.run_dir or os.path.join(tempfile.gettempdir(), f"crawld-{os.getuid()}")
-    path = Path(base)
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return path
 
 
 def state_file(cfg: Config) -> Path:
@@ -248,10 +240,12 @@ class Supervisor:
             return
         crashes = 1 if lived >= STABLE_AFTER_S else self.slot_crashes.get(child.slot, 0) + 1
         self.slot_crashes[child.slot] = crashes
-        delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (crashes - 1)) * random.uniform(0.5, 1.5)
+        backoff = min(self.cfg.workers.backoff_max_s, BACKOFF_BASE_S * 2 ** (crashes - 1))
+        delay = backoff * random.uniform(0.5, 1.5)
         self.slot_not_before[child.slot] = time.monotonic() + delay
         log.error("worker_died", worker_pid=child.pid, slot=child.slot, exit_code=code,
-                  lived_s=round(lived, 1), crashes_in_a_row=crashes, respawn_in_s=round(delay, 2))
+                  lived_s=round(lived, 1), crashes_in_a_row=crashes, backoff_s=backoff,
+                  respawn_in_s=round(delay, 2))
         if crashes >= self.cfg.workers.crash_limit:
             raise CrashLoop(f"worker slot {child.slot} crashed {crashes} times in a row "
                             f"(last exit code {code}); stopping instead of respawning. "
@@ -382,6 +376,7 @@ class Supervisor:
                     else c.status.get("state", "starting"),
                     "inflight": c.status.get("inflight", 0), "done": c.status.get("done", 0),
                     "retried": c.status.get("retried", 0), "dead": c.status.get("dead", 0),
+                    "redelivered": c.status.get("redelivered", 0), "stats": c.status.get("stats", {}),
                     "age_s": round(now - c.started_at, 1), "last_beat_s": round(now - c.last_beat, 1)}
                    for c in sorted(self.children.values(), key=lambda c: c.slot)]
         state = {"pid": os.getpid(), "updated_at": time.time(), "generation": self.generation,

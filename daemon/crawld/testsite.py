@@ -24,6 +24,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import urlsplit
@@ -45,7 +46,7 @@ class _Stats:
         self.lock = threading.Lock()
         self.hits: dict[str, int] = {}
         self.events: list[tuple[int, str]] = []
-        self.active = 0
+        self.active: Counter[str] = Counter()  # paths in flight right now
         self.peak = 0
 
     def enter(self, path: str) -> int:
@@ -53,14 +54,16 @@ class _Stats:
             count = self.hits.get(path, 0) + 1
             self.hits[path] = count
             self.events.append((1, path))
-            self.active += 1
-            self.peak = max(self.peak, self.active)
+            self.active[path] += 1
+            self.peak = max(self.peak, self.active.total())
             return count
 
     def leave(self, path: str) -> None:
         with self.lock:
             self.events.append((-1, path))
-            self.active -= 1
+            self.active[path] -= 1
+            if not self.active[path]:
+                del self.active[path]
 
     def max_concurrent(self, prefix: str | None) -> int:
         with self.lock:
@@ -77,8 +80,9 @@ class _Stats:
     def reset(self) -> None:
         with self.lock:
             self.hits.clear()
-            self.events.clear()
-            self.peak = self.active
+            # Requests still in flight keep counting: seed the log with their starts.
+            self.events = [(1, path) for path in self.active.elements()]
+            self.peak = self.active.total()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -122,7 +126,8 @@ class _Handler(BaseHTTPRequestHandler):
             headers.setdefault("Content-Type", "text/html; charset=utf-8")
             for name, value in headers.items():
                 self.send_header(name, value)
-            self.send_header("Content-Length", str(len(body)))
+            if status not in (204, 304):  # bodiless by definition (RFC 9110)
+                self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if send_body:
                 self.wfile.write(body)
@@ -218,7 +223,21 @@ class TestSite:
         """Most requests in flight at once, overall or for paths starting with ``prefix``."""
         return self._stats.max_concurrent(prefix)
 
+    def in_flight(self) -> int:
+        """Requests being handled right now."""
+        with self._stats.lock:
+            return self._stats.active.total()
+
+    def wait_idle(self, timeout: float = 5.0) -> bool:
+        """Wait until no request is in flight (a client may have its response before the
+        server thread has finished its bookkeeping); True if idle in time."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.in_flight() == 0
+
     def reset(self) -> None:
+        """Forget hits and concurrency peaks (requests in flight keep counting)."""
         self._stats.reset()
 
     def sample_urls(self, key: str = "demo") -> list[str]:
@@ -268,8 +287,10 @@ class TestSite:
 
     def _status(self, parts: list[str], path: str, hit: int) -> Response:
         code = int(parts[0])
-        if not 100 <= code <= 599:
+        if not 200 <= code <= 599:  # 1xx are interim answers, not a page
             raise ValueError(code)
+        if code in (204, 304):  # these must not carry a body
+            return code, {}, b""
         return self._page(code, path)
 
     def _flaky(self, parts: list[str], path: str, hit: int) -> Response:

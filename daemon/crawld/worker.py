@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .classify import Decision, Verdict, classify
-from .config import Config
+from .config import Config, runtime_dir
 from .fetch import Fetcher, FetchResult
 from .logs import get_logger
 from .metrics import Metrics
+from .stats import Stats
 from .store import DeadRow, ResultRow, Store
 from .task import MalformedMessage, Task, parse_message
 from .transports.base import Action, Delivery, Settlement, Transport
@@ -46,6 +47,7 @@ class WorkerState:
     retried: int = 0
     dead: int = 0
     duplicates: int = 0
+    redelivered: int = 0
     started_at: float = 0.0
 
 
@@ -63,6 +65,7 @@ class Worker:
         self._lock = threading.Lock()
         self._futures: dict[Future, Delivery] = {}
         self._active_ids: dict[str, threading.Event] = {}
+        self._started: set[int] = set()         # id() of deliveries a pool thread picked up
         self._stop = False
         self._fast_stop = False
         self._parent = os.getppid()
@@ -90,6 +93,7 @@ class Worker:
         self.transport.set_stop_check(lambda: self._stop)
         log.info("worker_starting", worker=self.worker_id, transport=self.transport.name,
                  threads=self.cfg.workers.threads, prefetch=self.cfg.queue.prefetch)
+        self._fault("boot")
         self._set_state("connecting")
         self.transport.connect()
         self.transport.start_consuming(self._on_delivery, self._free_slots)
@@ -105,6 +109,8 @@ class Worker:
         if os.getppid() != self._parent:
             log.warning("supervisor_gone", worker=self.worker_id)
             self._stop = True
+        if "stuck" in self._faults and _fault_armed():
+            time.sleep(3600)          # test-only: a main loop that stops turning
         self._heartbeat()
 
     def _drain(self) -> int:
@@ -121,7 +127,8 @@ class Worker:
         self.transport.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         log.info("worker_drained", worker=self.worker_id, released=released, unfinished=leftover,
-                 drain_s=round(time.monotonic() - started, 3), done=self.state.done)
+                 drain_s=round(time.monotonic() - started, 3), done=self.state.done,
+                 redelivered=self.state.redelivered, duplicates=self.state.duplicates)
         self._set_state("stopped")
         self._heartbeat(force=True)
         return 0
@@ -131,16 +138,27 @@ class Worker:
         self.transport.close()
         os._exit(0)
 
-    def _release_unstarted(self) -> int:
-        """Deliveries still queued in the pool go back to the broker at once."""
-        with self._lock:
-            waiting = [(f, d) for f, d in self._futures.items()]
+    def _release_unstarted(self, grace_s: float = 1.0) -> int:
+        """Deliveries still queued in the pool go back to the broker at once.
+
+        With prefetch <= threads a queued delivery is only waiting for a thread that is
+        finishing its previous task, so it gets a short grace to start; giving it back
+        would be a redelivery caused by the stop.
+        """
+        deadline = time.monotonic() + min(grace_s, self.cfg.workers.drain_timeout_s)
+        while self._unstarted() and time.monotonic() < deadline:
+            self.transport.poll(0.02)
+        waiting = self._unstarted()
         released = 0
         for future, delivery in waiting:
             if future.cancel():      # its done-callback (_forget) fixes the in-flight count
                 self.transport.settle(delivery, Settlement(Action.RELEASE, reason="draining"))
                 released += 1
         return released
+
+    def _unstarted(self) -> list[tuple[Future, Delivery]]:
+        with self._lock:
+            return [(f, d) for f, d in self._futures.items() if id(d) not in self._started]
 
     # -- deliveries ------------------------------------------------------------------
     def _free_slots(self) -> int:
@@ -157,6 +175,7 @@ class Worker:
         self.metrics.on_received(delivery.redelivered)
         with self._lock:
             self.state.inflight += 1
+            self.state.redelivered += delivery.redelivered
             future = self.pool.submit(self._process, delivery)
             self._futures[future] = delivery
         future.add_done_callback(self._forget)
@@ -164,11 +183,15 @@ class Worker:
 
     def _forget(self, future: Future) -> None:
         with self._lock:
-            if self._futures.pop(future, None) is not None:
+            delivery = self._futures.pop(future, None)
+            if delivery is not None:
                 self.state.inflight -= 1
+                self._started.discard(id(delivery))
 
     def _process(self, delivery: Delivery) -> None:
         """Pool thread: handle one delivery and always settle it exactly once."""
+        with self._lock:
+            self._started.add(id(delivery))
         try:
             settlement = self._handle(delivery)
         except Exception as exc:  # a bug in our code: dead, never retried in a loop
@@ -308,6 +331,20 @@ class Worker:
             elif settlement.action is Action.DEAD:
                 self.state.dead += 1
         self.metrics.on_settled(outcome, settlement.reason)
+        self._count_stats(settlement)
+
+    def _count_stats(self, settlement: Settlement) -> None:
+        """Scrapy's retry stat names, on the fetcher's stats object."""
+        stats = getattr(self.fetcher, "stats", None)
+        if stats is None:
+            return
+        if settlement.action is Action.RETRY:
+            stats.inc("retry/count")
+            stats.inc(f"retry/reason_count/{settlement.reason}")
+        elif settlement.action is Action.DEAD:
+            stats.inc(f"dead/reason_count/{settlement.reason}")
+            if settlement.reason == "retries_exhausted":
+                stats.inc("retry/max_reached")
 
     # -- liveness and test hooks -------------------------------------------------------
     def _set_state(self, state: str) -> None:
@@ -323,6 +360,9 @@ class Worker:
         with self._lock:
             snapshot = dict(self.state.__dict__, pid=os.getpid(),
                             connected=self.transport.connected)
+        stats = getattr(self.fetcher, "stats", None)
+        if stats is not None:
+            snapshot["stats"] = stats.snapshot()
         self.metrics.set_inflight(snapshot["inflight"])
         try:
             os.write(self._heartbeat_fd, (json.dumps(snapshot) + "\n").encode())
@@ -373,7 +413,8 @@ def run_worker(cfg: Config) -> int:
     from .transports import make_transport
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     store = open_store(cfg.store, pool_size=cfg.workers.threads + 2)
-    fetcher = Fetcher(cfg.fetch, pool_size=cfg.workers.threads, run_dir=cfg.workers.run_dir)
+    fetcher = Fetcher(cfg.fetch, pool_size=cfg.workers.threads, run_dir=str(runtime_dir(cfg)),
+                      stats=Stats())
     auto_ack = "auto_ack" in os.environ.get(FAULT_ENV, "").split(",")   # test-only demonstration
     transport = make_transport(cfg, worker_id, **({"auto_ack": True} if auto_ack else {}))
     worker = Worker(cfg, transport, store, fetcher, Metrics(), worker_id)

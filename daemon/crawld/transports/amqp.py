@@ -140,6 +140,7 @@ class AmqpTransport(Transport):
         self._pending = 0
         self._pending_lock = threading.Lock()
         self._unsettled: dict[int, Delivery] = {}
+        self._held: list[tuple[Delivery, Settlement]] | None = None
         self.reconnects = 0
 
     # connection life cycle
@@ -181,10 +182,27 @@ class AmqpTransport(Transport):
         self._consuming = False
         if self.connected and self._consumer_tag:
             try:
+                self._close_prefetch_window()
                 self._ch.basic_cancel(self._consumer_tag)
             except CONNECTION_ERRORS as exc:
                 self._lost(exc)
+            finally:
+                self._release_held()
         self._consumer_tag = None
+
+    def _close_prefetch_window(self, wait_s: float = 0.3) -> None:
+        """Hold acks for a moment so the broker's prefetch window fills and nothing is on
+        the wire when we cancel: pika rejects deliveries that arrive during a cancel, and
+        the broker would redeliver them (a redelivery caused by a deploy)."""
+        self._held = []
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and len(self._unsettled) < self.cfg.queue.prefetch:
+            self._conn.process_data_events(time_limit=0.05)
+
+    def _release_held(self) -> None:
+        held, self._held = self._held or [], None
+        for delivery, settlement in held:
+            self._settle_now(delivery, settlement, counted=False)
 
     def poll(self, timeout: float) -> None:
         if not self.connected:
@@ -263,8 +281,11 @@ class AmqpTransport(Transport):
         with self._pending_lock:
             self._pending -= 1
 
-    def _settle_now(self, delivery: Delivery, settlement: Settlement) -> None:
+    def _settle_now(self, delivery: Delivery, settlement: Settlement, counted: bool = True) -> None:
         """Runs on the connection thread inside process_data_events."""
+        if self._held is not None and counted:
+            self._held.append((delivery, settlement))
+            return
         try:
             generation, tag = delivery.handle
             if generation != self._generation or not self.connected:

@@ -24,6 +24,7 @@ forever: never redelivered, never dead-lettered, invisible to reconciliation.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -324,7 +325,9 @@ class JetStreamTransport(Transport):
         self._ticker_task: asyncio.Task[None] | None = None
         self._settle_tasks: set[asyncio.Task[None]] = set()
         self._held: dict[int, _Held] = {}          # id(msg) -> held; the entry keeps msg alive
-        self._backlog: deque[Msg] = deque()        # fetched beyond the free slots
+        self._backlog: deque[Msg] = deque()        # fetched beyond the free slots (rare)
+        self._backlog_signal = 0.0
+        self._pull_deadline = 0.0                  # when our last pull request expires
         self._wake = asyncio.Event()
         self._pending = 0
         self._pending_lock = threading.Lock()
@@ -365,6 +368,8 @@ class JetStreamTransport(Transport):
         log.warning("broker_error", transport="jetstream", error=repr(exc))
 
     async def _on_disconnected(self) -> None:
+        if self._closed:
+            return      # our own close(): not news
         log.warning("broker_disconnected", transport="jetstream", unsettled=len(self._held),
                     broker_url=redact_url(self.cfg.broker.url))
 
@@ -398,7 +403,7 @@ class JetStreamTransport(Transport):
             self._ticker_task = self._loop.create_task(self._progress_loop())
 
     def stop_consuming(self) -> None:
-        """No new pulls; the pull in flight ends within FETCH_EXPIRY_S and is released."""
+        """No new pulls; whatever the pull in flight still brings is released by close()."""
         self._consuming = False
         self._wake.set()
 
@@ -446,7 +451,6 @@ class JetStreamTransport(Transport):
                             retry_in_s=round(delay, 2))
                 self._rebind = True
                 await asyncio.sleep(delay)
-        await self._release_backlog()
 
     async def _pull_once(self) -> None:
         slots = self._slots()
@@ -458,6 +462,9 @@ class JetStreamTransport(Transport):
             return
         if self._rebind:
             await self._bind()
+        # nats-py's fetch may leave its server-side pull request open until it expires; close()
+        # waits for that before naking, or the naked messages would come straight back to us.
+        self._pull_deadline = time.monotonic() + FETCH_EXPIRY_S + 0.05
         try:
             msgs = await self._psub.fetch(min(slots, MAX_FETCH_BATCH), timeout=FETCH_EXPIRY_S,
                                           heartbeat=FETCH_HEARTBEAT_S)
@@ -470,6 +477,8 @@ class JetStreamTransport(Transport):
                 self._dispatch(msg)
                 slots -= 1
             else:
+                if not self._backlog:
+                    self._backlog_signal = time.monotonic()
                 self._backlog.append(msg)
 
     def _slots(self) -> int:
@@ -525,6 +534,11 @@ class JetStreamTransport(Transport):
                 if now - held.last_signal >= every:
                     held.last_signal = now
                     await self._safe(held.msg.in_progress(), "in_progress")
+            if self._backlog and now - self._backlog_signal >= every:
+                # Not handed out yet, but naking them would burn a delivery attempt.
+                self._backlog_signal = now
+                for msg in list(self._backlog):
+                    await self._safe(msg.in_progress(), "in_progress")
 
     async def _safe(self, coro: Awaitable[Any], what: str) -> None:
         try:
@@ -542,11 +556,14 @@ class JetStreamTransport(Transport):
         with self._pending_lock:
             self._pending += 1
         try:
-            self._loop.call_soon_threadsafe(self._spawn, self._settle_now(delivery, settlement))
+            self._loop.call_soon_threadsafe(self._start_settle, delivery, settlement)
         except RuntimeError as exc:   # loop closed: the transport is gone
             self._done_pending()
             log.warning("settle_dropped", transport="jetstream", reason="transport closed",
                         error=str(exc), message_id=delivery.message_id, action=settlement.action.value)
+
+    def _start_settle(self, delivery: Delivery, settlement: Settlement) -> None:
+        self._spawn(self._settle_now(delivery, settlement))
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = self._loop.create_task(coro)  # type: ignore[arg-type]
@@ -562,8 +579,11 @@ class JetStreamTransport(Transport):
             held = self._held.get(id(delivery.handle))
             if held is None or held.msg is not delivery.handle or held.generation != self._generation \
                     or held.settling:
+                # Released at close, from a replaced connection, or settled twice: the
+                # server already has (or will redeliver) it.
                 log.info("stale_delivery_dropped", transport="jetstream", message_id=delivery.message_id,
                          stream_seq=delivery.stream_seq, action=settlement.action.value,
+                         reason="settled twice" if held is not None and held.settling else "unknown delivery",
                          generation=self._generation)
                 return
             held.settling = True    # stays held (and in progress) until the broker has it
@@ -571,7 +591,7 @@ class JetStreamTransport(Transport):
                 await self._apply(held, settlement)
             finally:
                 self._held.pop(id(held.msg), None)
-        except (nats.errors.Error, OSError) as exc:
+        except Exception as exc:   # never lose the task silently: it comes back after AckWait
             log.warning("settle_failed", transport="jetstream", message_id=delivery.message_id,
                         action=settlement.action.value, error=repr(exc))
         finally:
@@ -581,19 +601,36 @@ class JetStreamTransport(Transport):
     async def _apply(self, held: _Held, settlement: Settlement) -> None:
         msg, action = held.msg, settlement.action
         if action is Action.ACK:
-            await msg.ack()        # plain ack: a lost ack only means a duplicate, the store upserts
+            await self._reply(msg, Msg.Ack.Ack, settlement)
         elif action is Action.SKIP:
-            await msg.term()
+            await self._reply(msg, Msg.Ack.Term, settlement)
         elif action is Action.RETRY:
-            await msg.nak(delay=settlement.delay_s)
+            await self._reply(msg, _nak_payload(settlement.delay_s), settlement)
         elif action is Action.RELEASE:
-            await msg.nak()
+            await self._reply(msg, Msg.Ack.Nak, settlement)
         elif action is Action.DEAD:
             await self._dead_letter(held.delivery, settlement, msg)
 
+    async def _reply(self, msg: Msg, payload: bytes, settlement: Settlement) -> None:
+        """Double ack: the server answers once it has recorded the ack/nak/term, so
+        ``pending_settlements() == 0`` means the broker has every settlement (drain,
+        status and reconciliation see consistent numbers). While disconnected the
+        request stays in nats-py's buffer and is sent after the reconnect; if it is lost
+        anyway the server redelivers: a duplicate, never a loss."""
+        nc = self._nc
+        if nc is None or nc.is_closed:
+            raise nats.errors.ConnectionClosedError
+        try:
+            await nc.request(msg.reply, payload, timeout=API_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("settle_unconfirmed", transport="jetstream", action=settlement.action.value,
+                        stream_seq=msg.metadata.sequence.stream, connected=self.connected)
+        msg._ackd = True   # keep nats-py's own guard (MsgAlreadyAckdError) consistent
+
     async def _dead_letter(self, delivery: Delivery, settlement: Settlement, msg: Msg) -> None:
         """Publish to crawl.dead.<source>, wait for the PubAck, only then term the original."""
-        assert self._js is not None
+        if self._js is None:
+            raise nats.errors.ConnectionClosedError
         task_id = _task_id(delivery, settlement.task)
         subject = dead_subject(_source(delivery, settlement.task))
         headers = {k: v for k, v in delivery.headers.items() if not k.startswith("Nats-")}
@@ -606,9 +643,10 @@ class JetStreamTransport(Transport):
         except (asyncio.TimeoutError, nats.errors.Error, OSError) as exc:
             log.error("dead_letter_failed", task_id=task_id, subject=subject, attempt=delivery.attempt,
                       error=repr(exc), retry_in_s=DEAD_RETRY_DELAY_S)
-            await msg.nak(delay=DEAD_RETRY_DELAY_S)   # keep it in CRAWL: nothing is lost
+            # Keep it in CRAWL (nothing is lost); the worker dead-letters it again later.
+            await self._reply(msg, _nak_payload(DEAD_RETRY_DELAY_S), settlement)
             return
-        await msg.term()
+        await self._reply(msg, Msg.Ack.Term, settlement)
         log.info("dead_lettered", task_id=task_id, subject=subject, dead_seq=ack.seq,
                  duplicate=bool(ack.duplicate), attempt=delivery.attempt, reason=settlement.reason)
 
@@ -619,7 +657,7 @@ class JetStreamTransport(Transport):
             return
         self._consuming = False
         try:
-            self._run(self._shutdown(release=True))
+            self._run(self._shutdown())
         finally:
             self._closed = True
             self._finish_loop()
@@ -641,7 +679,7 @@ class JetStreamTransport(Transport):
         finally:
             self._finish_loop()
 
-    async def _shutdown(self, release: bool) -> None:
+    async def _shutdown(self) -> None:
         if self._pull_task is not None and not self._pull_task.done():
             self._wake.set()
             try:   # the pull in flight ends by itself within its expiry: nothing orphaned
@@ -650,27 +688,35 @@ class JetStreamTransport(Transport):
                 self._pull_task.cancel()
         if self._settle_tasks:
             await asyncio.wait(list(self._settle_tasks), timeout=API_TIMEOUT_S + 1.0)
-        if release:
-            await self._release_all()
+        # No pull request of ours may be open when we nak: the server would hand the
+        # released messages right back to this closing subscription (then AckWait).
+        await asyncio.sleep(max(0.0, self._pull_deadline - time.monotonic()))
+        await self._release_all()
         self._closed = True
         await _close_quietly(self._nc)
 
-    async def _release_backlog(self) -> None:
-        while self._backlog:
-            await self._safe(self._backlog.popleft().nak(), "nak")
-
     async def _release_all(self) -> None:
-        held = [h for h in self._held.values() if not h.settling]
+        held = [h.msg for h in self._held.values() if not h.settling]
         leftovers = self._drain_subscription()
-        for item in held:
-            await self._safe(item.msg.nak(), "nak")
-        await self._release_backlog()
-        for msg in leftovers:
-            await self._safe(msg.nak(), "nak")
+        await self._release(held + list(self._backlog) + leftovers)
         if held or leftovers:
             log.info("unsettled_released", transport="jetstream", unsettled=len(held),
                      undelivered=len(leftovers))
         self._held.clear()
+        self._backlog.clear()
+
+    async def _release(self, msgs: list[Msg]) -> None:
+        """Nak at once (redelivered now, not after AckWait), all in parallel, and wait for
+        the server's answers so close() returns with the broker up to date."""
+        nc = self._nc
+        if not msgs or nc is None or not nc.is_connected:
+            return   # gone anyway: the server redelivers after AckWait
+        replies = [nc.request(m.reply, Msg.Ack.Nak, timeout=2.0) for m in msgs if m.reply]
+        results = await asyncio.gather(*replies, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            log.warning("release_unconfirmed", transport="jetstream", count=len(failed),
+                        error=repr(failed[0]))
 
     def _drain_subscription(self) -> list[Msg]:
         """Messages that arrived for an expired pull but were never returned by fetch()."""
@@ -690,6 +736,13 @@ class JetStreamTransport(Transport):
             self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self._loop.close()
         self._nc = self._js = self._psub = None
+
+
+def _nak_payload(delay_s: float) -> bytes:
+    """``-NAK {"delay": ns}``: a delayed redelivery outside the main path (no sleeping)."""
+    if delay_s <= 0:
+        return Msg.Ack.Nak
+    return Msg.Ack.Nak + b" " + json.dumps({"delay": int(delay_s * 1e9)}).encode()
 
 
 def _task_id(delivery: Delivery, task: Task | None) -> str:
@@ -804,7 +857,10 @@ def jetstream_stats(cfg: Config, timeout_s: float = API_TIMEOUT_S) -> dict[str, 
 
 async def _stats(cfg: Config, timeout_s: float) -> dict[str, Any]:
     try:
+        # max_reconnect_attempts=1: nats-py's initial connect otherwise retries a dead
+        # server 60 times, 2 s apart, even with allow_reconnect=False.
         nc = await nats.connect(servers=_servers(cfg), name="crawld-status", allow_reconnect=False,
+                                max_reconnect_attempts=1, reconnect_time_wait=0.05,
                                 connect_timeout=2, error_cb=_quiet_error)
     except RETRYABLE as exc:
         raise ConnectionError(f"cannot reach NATS at {redact_url(cfg.broker.url)}: {exc!r}") from None

@@ -1,0 +1,113 @@
+"""Shared fixtures: real servers, started lazily (only when a test asks) once per session."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from harness import NatsServer, PostgresServer, RabbitNode, make_config  # noqa: E402
+
+from crawld.testsite import TestSite  # noqa: E402
+
+
+def _interrupt_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # `timeout 300 pytest ...` sends SIGTERM, which by default kills Python without running
+    # fixture teardown or atexit: the broker nodes (own sessions) would be left running.
+    # As a KeyboardInterrupt, pytest tears the session fixtures down properly.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+
+
+# -- servers (session scope: pytest only builds a fixture when some test requests it) ----
+@pytest.fixture(scope="session")
+def rabbit() -> Iterator[RabbitNode]:
+    node = RabbitNode()
+    try:
+        node.start()
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.fixture(scope="session")
+def nats() -> Iterator[NatsServer]:
+    server = NatsServer(monitor=True)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    server = PostgresServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def site() -> Iterator[TestSite]:
+    with TestSite() as test_site:
+        yield test_site
+
+
+# -- per-test isolation ---------------------------------------------------------------
+@pytest.fixture
+def queue_name() -> str:
+    """A unique queue / durable consumer name, valid for AMQP and JetStream."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True)
+class StorePaths:
+    url: str        # sqlite:////abs/path/crawld.db
+    path: Path      # the database file
+    body_dir: Path  # content-addressed body directory
+
+
+@pytest.fixture
+def tmp_store(tmp_path: Path) -> StorePaths:
+    db = tmp_path / "crawld.db"
+    body_dir = tmp_path / "bodies"
+    body_dir.mkdir()
+    return StorePaths(url=f"sqlite:///{db}", path=db, body_dir=body_dir)
+
+
+@pytest.fixture
+def crawld_env(request: pytest.FixtureRequest, tmp_path: Path, tmp_store: StorePaths,
+               queue_name: str) -> Callable[..., Path]:
+    """Factory writing a crawld TOML config in tmp_path; returns the file's path.
+
+    ``crawld_env(transport="jetstream", workers={"count": 1}, fetch={...})``. Defaults: the
+    test's tmp_store, its unique queue_name, loopback allowed by the SSRF guard. Without
+    ``broker_url`` the matching session broker (rabbit or nats) is started and used.
+    """
+
+    def build(*, broker_url: str | None = None, transport: str = "amqp",
+              filename: str = "crawld.toml", **sections: dict[str, Any]) -> Path:
+        if broker_url is None:
+            server = request.getfixturevalue("nats" if transport == "jetstream" else "rabbit")
+            broker_url = server.url
+        sections["queue"] = {"name": queue_name, **sections.get("queue", {})}
+        sections["store"] = {"url": tmp_store.url, "body_dir": str(tmp_store.body_dir),
+                             **sections.get("store", {})}
+        return make_config(tmp_path, broker_url=broker_url, transport=transport,
+                           filename=filename, **sections)
+
+    return build

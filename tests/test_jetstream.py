@@ -1,0 +1,457 @@
+"""The JetStream transport on a real nats-server (loopback, one fresh server per test).
+
+Reproduces the reference lab's scenarios (reconnect table, duplicate publish, in-progress,
+nak with delay, dead-letter + term, release on close) plus what the lab could not test:
+file storage across a SIGKILL of the server, and consumer config drift.
+
+Each test gets its own server: CRAWL is a WorkQueue stream, which allows only one
+consumer per subject, so tests cannot share a server with different durable names.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import nats
+import pytest
+from harness import NatsServer, free_port, run_async
+from structlog.testing import capture_logs
+
+from crawld.config import Config
+from crawld.task import Task, new_task, parse_message
+from crawld.transports.base import (ATTEMPT_HEADER, ERROR_HEADER, ORIGIN_HEADER, REASON_HEADER,
+                                    Action, Delivery, Settlement)
+from crawld.transports.jetstream import (DEAD_STREAM, STREAM, JetStreamPublisher, JetStreamTransport,
+                                         TopologyError, jetstream_stats)
+
+
+_transports: list[JetStreamTransport] = []
+
+
+@pytest.fixture
+def server() -> Any:
+    srv = NatsServer()
+    srv.start()
+    yield srv
+    while _transports:   # a failed test must not leave loops and connections behind
+        _transports.pop().abort()
+    srv.close()
+
+
+def make_cfg(url: str, **queue: Any) -> Config:
+    cfg = Config().replace("broker", transport="jetstream", url=url, reconnect_max_s=1.0)
+    return cfg.replace("queue", **{"name": "fetchers", "ack_wait_s": 1.0, "prefetch": 16, **queue})
+
+
+def make_tasks(*keys: str, source: str = "shop") -> list[Task]:
+    return [new_task(f"http://site.test/{key}", source=source, task_id=key) for key in keys]
+
+
+def publish(cfg: Config, *keys: str) -> None:
+    with JetStreamPublisher(cfg) as pub:
+        report = pub.publish(make_tasks(*keys))
+    assert sorted(report.confirmed) == sorted(keys) and not report.failed
+
+
+def key(delivery: Delivery) -> str:
+    return json.loads(delivery.body)["task_id"]
+
+
+class Worker:
+    """A tiny stand-in for the worker loop: records deliveries and settles on request."""
+
+    def __init__(self, cfg: Config, name: str, slots: int = 16, limit: int = 1 << 30,
+                 hook: Callable[["Worker", Delivery], None] | None = None) -> None:
+        self.name = name
+        self.slots = slots
+        self.limit = limit      # takes no more than this many deliveries in total
+        self.hook = hook
+        self.t = JetStreamTransport(cfg, worker_id=name)
+        _transports.append(self.t)
+        self.got: list[Delivery] = []
+        self.open: dict[int, Delivery] = {}
+        self.settled: list[tuple[str, Action]] = []
+        self.lock = threading.Lock()
+
+    def start(self) -> "Worker":
+        self.t.connect()
+        self.t.start_consuming(self._on_delivery, self.free_slots)
+        return self
+
+    def free_slots(self) -> int:
+        return max(0, min(self.slots - len(self.open), self.limit - len(self.got)))
+
+    def _on_delivery(self, delivery: Delivery) -> None:   # on the I/O thread, inside poll()
+        with self.lock:
+            self.got.append(delivery)
+            self.open[id(delivery)] = delivery
+        if self.hook:
+            self.hook(self, delivery)
+
+    def settle(self, delivery: Delivery, action: Action, **kw: Any) -> None:   # any thread
+        with self.lock:
+            self.open.pop(id(delivery), None)
+            self.settled.append((key(delivery), action))
+        self.t.settle(delivery, Settlement(action, **kw))
+
+    def poll_until(self, cond: Callable[[], bool], timeout: float = 10.0, what: str = "") -> float:
+        t0 = time.monotonic()
+        while not cond():
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"{self.name}: timed out waiting for {what or cond}")
+            self.t.poll(0.05)
+        return time.monotonic() - t0
+
+    def poll_for(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.t.poll(0.05)
+
+    def settled_all(self) -> bool:
+        return not self.open and self.t.pending_settlements() == 0
+
+    def keys(self) -> list[str]:
+        return [key(d) for d in self.got]
+
+
+def ack_in_thread(delay: float) -> Callable[[Worker, Delivery], None]:
+    """A handler that 'fetches' for ``delay`` seconds on another thread, then acks."""
+    def hook(worker: Worker, delivery: Delivery) -> None:
+        def run() -> None:
+            time.sleep(delay)
+            worker.settle(delivery, Action.ACK)
+        threading.Thread(target=run, daemon=True).start()
+    return hook
+
+
+async def _get_msg(url: str, stream: str, seq: int) -> Any:
+    nc = await nats.connect(url)
+    try:
+        return await nc.jetstream().get_msg(stream, seq)
+    finally:
+        await nc.close()
+
+
+async def _delete_stream(url: str, stream: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().delete_stream(stream)
+    finally:
+        await nc.close()
+
+
+# -- the lab's reconnect table ---------------------------------------------------------
+def test_reconnect_table(server: NatsServer, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = make_cfg(server.url, ack_wait_s=1.0)
+    publish(cfg, "p1", "p2", "p3", "p4", "p5")
+    last: dict[str, tuple[int, str, int, str]] = {}
+
+    w1 = Worker(cfg, "worker 1", limit=3).start()
+    w1.poll_until(lambda: len(w1.got) == 3, what="3 deliveries")
+    assert w1.keys() == ["p1", "p2", "p3"]
+    w1.settle(w1.got[0], Action.ACK)
+    w1.poll_until(lambda: w1.t.pending_settlements() == 0)
+    for d in w1.got:
+        last[key(d)] = (d.stream_seq or 0, w1.name, d.attempt, "ack" if key(d) == "p1" else "none")
+    before = jetstream_stats(cfg)
+    assert (before["num_ack_pending"], before["num_pending"], before["num_redelivered"]) == (2, 2, 0)
+
+    w1.t.abort()                      # worker 1 disconnects without answering p2, p3
+    time.sleep(cfg.queue.ack_wait_s + 0.2)
+    after = jetstream_stats(cfg)
+    assert after["delivered_consumer_seq"] == 3 and after["delivered_stream_seq"] == 3
+
+    w2 = Worker(cfg, "worker 2", slots=10).start()
+    w2.poll_until(lambda: len(w2.got) == 4, what="the remaining 4")
+    for d in w2.got:
+        w2.settle(d, Action.ACK)
+        last[key(d)] = (d.stream_seq or 0, w2.name, d.attempt, "ack")
+    w2.poll_until(w2.settled_all)
+    w2.poll_until(lambda: jetstream_stats(cfg)["messages"] == 0, what="empty stream")
+    w2.t.close()
+
+    assert sorted((key(d), d.attempt, d.redelivered) for d in w2.got) == [
+        ("p2", 2, True), ("p3", 2, True), ("p4", 1, False), ("p5", 1, False)]
+    final = jetstream_stats(cfg)
+    assert final["num_ack_pending"] == 0 and final["num_pending"] == 0
+    with capsys.disabled():
+        print(f"\nbefore disconnect: ack_pending={before['num_ack_pending']} "
+              f"pending={before['num_pending']} redelivered={before['num_redelivered']}")
+        print(f"after ack_wait:    ack_pending={after['num_ack_pending']} pending={after['num_pending']} "
+              f"redelivered={after['num_redelivered']} delivered={after['delivered_consumer_seq']}")
+        print(f"{'key':<5}{'stream seq':>11}  {'worker':<10}{'num_delivered':>14}  outcome")
+        for item, (seq, worker, attempt, outcome) in sorted(last.items()):
+            print(f"{item:<5}{seq:>11}  {worker:<10}{attempt:>14}  {outcome}")
+
+
+# -- publishing ---------------------------------------------------------------------------
+def test_republish_same_id_is_a_duplicate(server: NatsServer) -> None:
+    cfg = make_cfg(server.url)
+    calls: list[tuple[int, int]] = []
+    with JetStreamPublisher(cfg) as pub:
+        first = pub.publish(make_tasks("p1", "p2"), progress=lambda d, t: calls.append((d, t)))
+        assert sorted(first.confirmed) == ["p1", "p2"] and pub.duplicates == 0
+        again = pub.publish(make_tasks("p1"))
+        assert again.confirmed == ["p1"] and not again.failed and pub.duplicates == 1
+        assert jetstream_stats(cfg)["messages"] == 2
+        replay = pub.publish(make_tasks("p1"), attempt_reset=True)   # DLQ replay: a new message
+        assert replay.confirmed == ["p1"] and pub.duplicates == 0
+    assert calls[-1] == (2, 2)
+    assert jetstream_stats(cfg)["messages"] == 3
+
+
+def test_publish_failures_are_reported(server: NatsServer) -> None:
+    cfg = make_cfg(server.url)
+    with JetStreamPublisher(cfg) as pub:
+        assert pub.publish(make_tasks("a")).confirmed == ["a"]
+        run_async(_delete_stream(server.url, STREAM))
+        report = pub.publish(make_tasks("b"))
+    assert report.confirmed == [] and "no stream" in report.failed["b"]
+    down = make_cfg(f"nats://127.0.0.1:{free_port()}")
+    with JetStreamPublisher(down) as pub:
+        report = pub.publish(make_tasks("c"))
+    assert report.failed["c"].startswith("connect failed")
+
+
+# -- in progress ----------------------------------------------------------------------------
+def test_long_fetch_is_kept_alive_by_in_progress(server: NatsServer) -> None:
+    cfg = make_cfg(server.url, ack_wait_s=1.0)
+    publish(cfg, "slow")
+    w = Worker(cfg, "w", hook=ack_in_thread(3.0)).start()
+    samples = []
+    t0 = time.monotonic()
+    while not (w.got and w.settled_all()):
+        w.poll_for(0.5)
+        stats = jetstream_stats(cfg)
+        samples.append((stats["num_redelivered"], stats["delivered_consumer_seq"]))
+        assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 >= 2.9
+    w.poll_for(1.5)   # well past ack_wait after the ack: nothing comes back
+    w.t.close()
+    assert len(w.got) == 1 and w.got[0].attempt == 1
+    assert all(s == (0, 1) for s in samples), samples
+    final = jetstream_stats(cfg)
+    assert (final["messages"], final["num_redelivered"], final["delivered_consumer_seq"]) == (0, 0, 1)
+
+
+# -- settlements ------------------------------------------------------------------------------
+def test_retry_naks_with_delay(server: NatsServer) -> None:
+    cfg = make_cfg(server.url, ack_wait_s=10.0)
+    publish(cfg, "flaky")
+    w = Worker(cfg, "w").start()
+    w.poll_until(lambda: len(w.got) == 1)
+    t0 = time.monotonic()
+    w.settle(w.got[0], Action.RETRY, delay_s=1.0, reason="http_5xx")
+    w.poll_until(lambda: len(w.got) == 2, timeout=5)
+    elapsed = time.monotonic() - t0
+    second = w.got[1]
+    assert elapsed >= 0.9, elapsed
+    assert (second.attempt, second.redelivered, second.stream_seq) == (2, True, w.got[0].stream_seq)
+    w.settle(second, Action.ACK)
+    w.poll_until(w.settled_all)
+    w.t.close()
+    assert jetstream_stats(cfg)["messages"] == 0
+
+
+def test_dead_publishes_to_dead_stream_then_terms(server: NatsServer) -> None:
+    cfg = make_cfg(server.url)
+    publish(cfg, "bad")
+    w = Worker(cfg, "w").start()
+    w.poll_until(lambda: len(w.got) == 1)
+    d = w.got[0]
+    task = parse_message(d.body, d.message_id)
+    w.settle(d, Action.DEAD, reason="retries_exhausted", error="HTTP 503\nService Unavailable", task=task)
+    w.poll_until(w.settled_all)
+    w.poll_for(1.5)   # past ack_wait: a terminated message never comes back
+    w.t.close()
+    stats = jetstream_stats(cfg)
+    assert (stats["messages"], stats["dead_messages"], len(w.got)) == (0, 1, 1)
+    dead = run_async(_get_msg(server.url, DEAD_STREAM, 1))
+    assert dead.subject == "crawl.dead.shop" and dead.data == d.body
+    assert dead.headers["Nats-Msg-Id"] == "bad:dead:1"
+    assert dead.headers[ATTEMPT_HEADER] == "1"
+    assert dead.headers[ERROR_HEADER] == "HTTP 503 Service Unavailable"
+    assert dead.headers[REASON_HEADER] == "retries_exhausted"
+    assert dead.headers[ORIGIN_HEADER] == "crawl.url.shop"
+
+
+def test_dead_publish_failure_keeps_the_message(server: NatsServer) -> None:
+    cfg = make_cfg(server.url)
+    publish(cfg, "bad")
+    w = Worker(cfg, "w").start()
+    w.poll_until(lambda: len(w.got) == 1)
+    run_async(_delete_stream(server.url, DEAD_STREAM))
+    with capture_logs() as logs:
+        w.settle(w.got[0], Action.DEAD, reason="malformed", error="boom")
+        w.poll_until(w.settled_all)
+    w.t.close()
+    assert any(e["event"] == "dead_letter_failed" for e in logs)
+    assert jetstream_stats(cfg)["messages"] == 1     # not terminated: nothing lost
+
+
+def test_skip_terms(server: NatsServer) -> None:
+    cfg = make_cfg(server.url)
+    publish(cfg, "robots")
+    w = Worker(cfg, "w").start()
+    w.poll_until(lambda: len(w.got) == 1)
+    w.settle(w.got[0], Action.SKIP, reason="robots_disallowed")
+    w.poll_until(w.settled_all)
+    w.poll_for(1.3)
+    w.t.close()
+    assert len(w.got) == 1 and jetstream_stats(cfg)["messages"] == 0
+
+
+def test_close_releases_unsettled_at_once(server: NatsServer) -> None:
+    cfg = make_cfg(server.url, ack_wait_s=30.0)   # long: a redelivery here can only be a nak
+    publish(cfg, "a", "b", "c")
+    w1 = Worker(cfg, "w1", slots=2).start()
+    w1.poll_until(lambda: len(w1.got) == 2)
+    w1.t.stop_consuming()
+    t0 = time.monotonic()
+    w1.t.close()
+    w2 = Worker(cfg, "w2").start()
+    w2.poll_until(lambda: len(w2.got) == 3, timeout=5, what="released deliveries")
+    assert time.monotonic() - t0 < 5
+    attempts = {key(d): d.attempt for d in w2.got}
+    assert attempts == {"a": 2, "b": 2, "c": 1}
+    # an explicit RELEASE (drain: never started) also comes back at once
+    released = w2.got[0]
+    w2.settle(released, Action.RELEASE)
+    w2.poll_until(lambda: len(w2.got) == 4, timeout=3)
+    assert key(w2.got[3]) == key(released) and w2.got[3].attempt == attempts[key(released)] + 1
+    for d in w2.got[1:]:
+        w2.settle(d, Action.ACK)
+    w2.poll_until(w2.settled_all)
+    w2.t.close()
+    assert jetstream_stats(cfg)["messages"] == 0
+
+
+def test_worker_style_drain_leaves_nothing_waiting_on_ack_wait(server: NatsServer) -> None:
+    """The lead's loop: pool threads settle; stop, finish in-flight, close. What was
+    prefetched but never started is naked by close(), not left to AckWait."""
+    cfg = make_cfg(server.url, ack_wait_s=30.0, prefetch=4)
+    publish(cfg, *[f"t{i:02d}" for i in range(20)])
+    pool = ThreadPoolExecutor(2)
+    t = JetStreamTransport(cfg, worker_id="host:1")
+    _transports.append(t)
+    inflight: set[int] = set()
+    done: list[str] = []
+
+    def fetch(delivery: Delivery) -> None:
+        time.sleep(0.2)
+        done.append(key(delivery))
+        t.settle(delivery, Settlement(Action.ACK))
+        inflight.discard(id(delivery))
+
+    def on_delivery(delivery: Delivery) -> None:
+        inflight.add(id(delivery))
+        pool.submit(fetch, delivery)
+
+    t.connect()
+    t.start_consuming(on_delivery, lambda: 4 - len(inflight))
+    deadline = time.monotonic() + 10
+    while len(done) < 5 and time.monotonic() < deadline:
+        t.poll(0.05)
+    t.stop_consuming()
+    # Queued but never started: never settled. Running ones finish; their settles only
+    # queue work on the loop, so blocking here without polling is fine.
+    pool.shutdown(wait=True, cancel_futures=True)
+    while t.pending_settlements():
+        t.poll(0.05)
+    t.close()
+    stats = jetstream_stats(cfg)
+    assert stats["num_ack_pending"] == 0                 # nothing left to time out
+    assert stats["messages"] == 20 - len(done) and stats["num_pending"] == 20 - len(done)
+
+
+def test_settle_after_close_is_dropped(server: NatsServer) -> None:
+    cfg = make_cfg(server.url)
+    publish(cfg, "x")
+    w = Worker(cfg, "w").start()
+    w.poll_until(lambda: len(w.got) == 1)
+    w.t.close()
+    with capture_logs() as logs:
+        w.settle(w.got[0], Action.ACK)
+    assert w.t.pending_settlements() == 0
+    assert [e["event"] for e in logs] == ["settle_dropped"]
+
+
+# -- server crash -----------------------------------------------------------------------------
+def test_server_sigkill_and_restart_loses_nothing(server: NatsServer) -> None:
+    cfg = make_cfg(server.url, ack_wait_s=2.0)
+    keys = [f"k{i:02d}" for i in range(30)]
+    publish(cfg, *keys)
+    w = Worker(cfg, "w", slots=4, hook=ack_in_thread(0.1)).start()
+    w.poll_until(lambda: len({k for k, _ in w.settled}) >= 10, what="10 acks")
+    server.kill()
+    w.poll_for(0.7)                      # keeps polling while the server is gone
+    server.start()
+    w.poll_until(lambda: w.t.reconnects >= 1, timeout=15, what="reconnect")
+    publish(cfg, "after1", "after2")
+    want = set(keys) | {"after1", "after2"}
+    w.poll_until(lambda: {k for k, _ in w.settled} >= want, timeout=20, what="every task acked")
+    w.poll_until(lambda: w.settled_all() and jetstream_stats(cfg)["messages"] == 0, timeout=10,
+                 what="empty stream")
+    w.t.close()
+    duplicates = len(w.got) - len(want)
+    print(f"deliveries={len(w.got)} distinct={len(want)} duplicates={duplicates}")
+    assert duplicates >= 0
+
+
+# -- topology --------------------------------------------------------------------------------
+def test_consumer_drift_is_reported_not_replaced(server: NatsServer) -> None:
+    first = make_cfg(server.url, ack_wait_s=1.0)
+    t = JetStreamTransport(first, worker_id="a")
+    t.connect()
+    t.close()
+    drifted = make_cfg(server.url, ack_wait_s=2.5)
+    publish(drifted, "d1")
+    with capture_logs() as logs:
+        w = Worker(drifted, "b").start()
+    events = [e for e in logs if e["event"] == "jetstream_consumer_drift"]
+    assert len(events) == 1 and events[0]["log_level"] == "warning"
+    assert events[0]["diffs"] == {"ack_wait": {"have": 1.0, "want": 2.5}}
+    assert w.t.drift == events[0]["diffs"]
+    w.poll_until(lambda: len(w.got) == 1)        # keeps working on the existing consumer
+    w.settle(w.got[0], Action.ACK)
+    w.poll_until(w.settled_all)
+    w.t.close()
+    assert jetstream_stats(drifted)["ack_wait_s"] == 1.0
+
+
+def test_second_durable_on_work_queue_is_a_clear_error(server: NatsServer) -> None:
+    t = JetStreamTransport(make_cfg(server.url, name="fetchers"), worker_id="a")
+    t.connect()
+    t.close()
+    other = JetStreamTransport(make_cfg(server.url, name="renamed"), worker_id="b")
+    with pytest.raises(TopologyError, match="fetchers"):
+        other.connect()
+    other.close()
+
+
+def test_connect_gives_up_when_told_to_stop() -> None:
+    cfg = make_cfg(f"nats://127.0.0.1:{free_port()}")
+    t = JetStreamTransport(cfg, worker_id="w")
+    t0 = time.monotonic()
+    t.set_stop_check(lambda: time.monotonic() - t0 > 1.0)
+    with capture_logs() as logs:
+        t.connect()
+    assert time.monotonic() - t0 < 5 and not t.connected
+    assert any(e["event"] == "broker_connect_failed" for e in logs)
+    t.close()
+
+
+def test_stats(server: NatsServer) -> None:
+    cfg = make_cfg(server.url)
+    empty = jetstream_stats(cfg)
+    assert empty["stream_exists"] is False and empty["consumer_exists"] is False
+    publish(cfg, "s1", "s2")
+    time.sleep(0.2)
+    stats = jetstream_stats(cfg)
+    assert stats["messages"] == 2 and stats["dead_messages"] == 0
+    assert stats["oldest_age_s"] is not None and stats["oldest_age_s"] >= 0.1
+    with pytest.raises(ConnectionError):
+        jetstream_stats(make_cfg(f"nats://127.0.0.1:{free_port()}"))

@@ -1,0 +1,193 @@
+"""The supervisor as operators use it: HUP/TTIN/TTOU under load, crash loops, stuck workers,
+pid file, status and the metrics endpoint. Real processes, real signals, real RabbitMQ."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+import urllib.request
+import uuid
+
+import pytest
+from crawld_proc import Crawld
+from harness import free_port, wait_until
+
+
+def _key() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def make_crawld(crawld_env):
+    made: list[Crawld] = []
+
+    def build(transport: str = "amqp", env: dict | None = None, **sections) -> Crawld:
+        sections.setdefault("log", {"format": "json"})
+        sections["fetch"] = {"per_host_concurrency": 64, "allow_networks": ["127.0.0.0/8"],
+                             **sections.get("fetch", {})}
+        sections["workers"] = {"drain_timeout_s": 20, "threads": 4, **sections.get("workers", {})}
+        sections["queue"] = {"prefetch": 4, **sections.get("queue", {})}
+        daemon = Crawld(crawld_env(transport=transport, **sections), env=env)
+        made.append(daemon)
+        return daemon
+
+    yield build
+    for daemon in made:
+        daemon.close()
+
+
+def set_count(daemon: Crawld, count: int) -> None:
+    text = daemon.config_path.read_text()
+    text = re.sub(r"(?m)^count = \d+$", f"count = {count}", text)
+    daemon.config_path.write_text(text)
+
+
+def live_generation(daemon: Crawld, generation: int, count: int) -> bool:
+    state = daemon.supervisor_state()
+    workers = state.get("workers", [])
+    return (len(workers) == count and all(w["generation"] == generation and w["state"] == "running"
+                                          for w in workers))
+
+
+def assert_no_redelivery(daemon: Crawld, tasks: int) -> None:
+    assert daemon.count("results") == tasks
+    assert daemon.count("results", "writes > 1") == 0
+    assert daemon.events("duplicate_skipped") == []
+    drained = daemon.events("worker_drained")
+    assert drained and sum(e["redelivered"] for e in drained) == 0, "redelivered because of the roll"
+    assert all(e["unfinished"] == 0 and e["released"] == 0 for e in drained)
+    rc, rec = daemon.reconcile()
+    assert rc == 0 and rec["lost"] == []
+
+
+@pytest.mark.parametrize("transport", ["amqp", "jetstream"])
+def test_hup_rolls_workers_2_4_1_under_load(make_crawld, site, transport):
+    daemon = make_crawld(transport, workers={"count": 2})
+    key = _key()
+    tasks = 600
+    assert daemon.publish([site.url(f"/slow/0.2/{key}-{i}") for i in range(tasks)]).returncode == 0
+    daemon.start()
+    daemon.wait_workers(2)
+    wait_until(lambda: daemon.finished() >= 20, 30, what="load running")
+    set_count(daemon, 4)
+    daemon.send(signal.SIGHUP)
+    wait_until(lambda: live_generation(daemon, 2, 4), 60, what="4 workers of generation 2")
+    set_count(daemon, 1)
+    daemon.send(signal.SIGHUP)
+    wait_until(lambda: live_generation(daemon, 3, 1), 60, what="1 worker of generation 3")
+    assert daemon.finished() < tasks, "the roll happened under load"
+    daemon.wait_finished(tasks, timeout=120)
+    assert daemon.stop() == 0
+    assert len(daemon.events("worker_retiring")) == 2 + 4
+    assert daemon.events("worker_died") == []
+    assert_no_redelivery(daemon, tasks)
+
+
+def test_ttin_ttou_resize_under_load(make_crawld, site):
+    daemon = make_crawld("amqp", workers={"count": 1})
+    key = _key()
+    tasks = 200
+    assert daemon.publish([site.url(f"/slow/0.1/{key}-{i}") for i in range(tasks)]).returncode == 0
+    daemon.start()
+    daemon.wait_workers(1)
+    for _ in range(2):
+        daemon.send(signal.SIGTTIN)
+        time.sleep(0.3)
+    daemon.wait_workers(3)
+    daemon.send(signal.SIGTTOU)
+    daemon.wait_workers(2)
+    assert daemon.finished() < tasks
+    daemon.wait_finished(tasks, timeout=120)
+    assert daemon.stop() == 0
+    assert daemon.events("worker_died") == []
+    assert_no_redelivery(daemon, tasks)
+
+
+def test_crash_at_start_trips_the_crash_loop_limit(make_crawld):
+    daemon = make_crawld("amqp", workers={"count": 1, "crash_limit": 10, "backoff_max_s": 1.0},
+                         env={"CRAWLD_TEST_FAULT": "boot"})
+    daemon.start()
+    code = daemon.proc.wait(60)
+    assert code == 1
+    died = daemon.events("worker_died")
+    assert len(died) == 10 and died[-1]["crashes_in_a_row"] == 10
+    assert [e["backoff_s"] for e in died[:3]] == [0.5, 1.0, 1.0], "exponential, capped"
+    assert daemon.events("crash_loop")
+    assert "crashed 10 times in a row" in daemon.log_path.read_text()
+
+
+def test_stuck_worker_is_replaced(make_crawld, site, tmp_path):
+    daemon = make_crawld("amqp", workers={"count": 1, "liveness_timeout_s": 2},
+                         env={"CRAWLD_TEST_FAULT": "stuck",
+                              "CRAWLD_TEST_FAULT_ONCE_FILE": str(tmp_path / "stuck-once")})
+    daemon.start()
+    wait_until(lambda: daemon.events("worker_stuck"), 30, what="stuck worker detected")
+    daemon.wait_workers(1)
+    key = _key()
+    assert daemon.publish([site.url(f"/fast/{key}-{i}") for i in range(10)]).returncode == 0
+    daemon.wait_finished(10)
+    assert daemon.stop() == 0
+    assert len(daemon.events("worker_spawned")) == 2
+
+
+def test_quit_is_a_fast_stop(make_crawld, site):
+    daemon = make_crawld("amqp", workers={"count": 1, "threads": 4, "drain_timeout_s": 30})
+    key = _key()
+    assert daemon.publish([site.url(f"/slow/5/{key}-{i}") for i in range(4)]).returncode == 0
+    daemon.start()
+    wait_until(lambda: site.total_hits(f"/slow/5/{key}") >= 4, 30, what="fetches in flight")
+    started = time.monotonic()
+    assert daemon.stop(signal.SIGQUIT) == 0
+    assert time.monotonic() - started < 4, "did not wait for the 5 s fetches"
+    assert daemon.count("results") == 0
+    rc, rec = daemon.reconcile()
+    assert rc == 1 and len(rec["lost"]) == 4      # still in the broker: not lost, just pending
+    daemon.start()
+    daemon.wait_finished(4, timeout=60)
+    assert daemon.stop() == 0
+    assert daemon.reconcile()[0] == 0
+
+
+def test_pid_file_status_and_metrics(make_crawld, site, tmp_path):
+    port = free_port()
+    pid_file = tmp_path / "run" / "crawld.pid"
+    daemon = make_crawld("amqp", workers={"count": 2, "pid_file": str(pid_file)},
+                         metrics={"port": port}, queue={"retry_delays_s": [0.5], "max_deliver": 2})
+    key = _key()
+    urls = ([site.url(f"/fast/{key}-{i}") for i in range(40)] + [site.url(f"/404/{key}")]
+            + [site.url(f"/500/{key}")])
+    assert daemon.publish(urls).returncode == 0
+    daemon.start()
+    daemon.wait_workers(2)
+    assert int(pid_file.read_text()) == daemon.proc.pid
+    daemon.wait_finished(42)
+    time.sleep(1.5)               # let the workers' last samples land
+    status = json.loads(daemon.cli("status", "--json").stdout)
+    assert status["store"]["done"] == 41 and status["store"]["dead"] == 1
+    assert status["broker"]["depth"] == 0 and status["broker"]["consumers"] == 2
+    assert len(status["supervisor"]["workers"]) == 2
+    assert status["store"]["e2e_latency_s"]["p50"] is not None
+    text_status = daemon.cli("status").stdout
+    assert "running" in text_status and "retry tier" in text_status
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    metrics = parse_metrics(body)
+    assert metrics['crawld_tasks_settled_total{outcome="ack"}'] == 41
+    assert metrics['crawld_tasks_dead_total{reason="retries_exhausted"}'] == 1
+    assert metrics['crawld_tasks_retried_total{reason="http_500"}'] == 1
+    assert metrics['crawld_tasks_received_total'] == 43
+    assert metrics["crawld_dead_letters_per_minute"] == 1
+    assert metrics['crawld_http_responses_total{status="404"}'] == 1
+    assert daemon.stop() == 0
+    assert not pid_file.exists()
+
+
+def parse_metrics(body: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in body.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, value = line.rsplit(" ", 1)
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
