@@ -221,12 +221,15 @@ class Store:
         cols = [c for c in DEAD_COLUMNS if c != "replays"]
         self._exec(DEAD_UPSERT, [getattr(row, c) for c in cols])
 
-    def bump_redelivery(self, task_id: str) -> int:
-        """Count crash redeliveries of one task (AMQP has no delivery counter)."""
+    def bump_redelivery(self, task_id: str, delta: int = 1) -> int:
+        """Count crash redeliveries of one task (classic AMQP queues keep no counter).
+
+        A delivery we give back on purpose (drain) is pre-paid with ``delta=-1``.
+        """
         rows = self._exec(
-            "INSERT INTO redeliveries (task_id, count, last_at) VALUES (?, 1, ?) "
-            "ON CONFLICT (task_id) DO UPDATE SET count = redeliveries.count + 1, last_at = excluded.last_at "
-            "RETURNING count", (task_id, time.time()))
+            "INSERT INTO redeliveries (task_id, count, last_at) VALUES (?, ?, ?) "
+            "ON CONFLICT (task_id) DO UPDATE SET count = redeliveries.count + excluded.count, "
+            "last_at = excluded.last_at RETURNING count", (task_id, delta, time.time()))
         return int(rows[0][0])
 
     # -- dead letters -------------------------------------------------------------

@@ -152,9 +152,20 @@ class Worker:
         released = 0
         for future, delivery in waiting:
             if future.cancel():      # its done-callback (_forget) fixes the in-flight count
+                self._prepay_redelivery(delivery)
                 self.transport.settle(delivery, Settlement(Action.RELEASE, reason="draining"))
                 released += 1
         return released
+
+    def _prepay_redelivery(self, delivery: Delivery) -> None:
+        """A delivery given back on purpose must not count toward the crash guard."""
+        if getattr(self.transport, "counts_deliveries", True):
+            return
+        try:
+            task = parse_message(delivery.body, delivery.message_id, self.cfg.queue.max_message_bytes)
+            self.store.bump_redelivery(task.task_id, delta=-1)
+        except Exception:    # malformed or store trouble: the guard may count it once more
+            pass
 
     def _unstarted(self) -> list[tuple[Future, Delivery]]:
         with self._lock:
@@ -249,12 +260,12 @@ class Worker:
         if delivery.attempt > limit:
             return Decision(Verdict.DEAD, reason="retries_exhausted",
                             error=f"delivered {delivery.attempt} times (max_deliver {limit})")
-        if delivery.redelivered and not getattr(self.transport, "counts_deliveries", True):
+        count = delivery.broker_redeliveries
+        if count is None and delivery.redelivered and not getattr(self.transport, "counts_deliveries", True):
             count = self.store.bump_redelivery(task.task_id)
-            if count >= limit:
-                return Decision(Verdict.DEAD, reason="redelivery_limit",
-                                error=f"redelivered {count} times without being settled "
-                                      f"(worker crashes?)")
+        if count is not None and count >= limit:
+            return Decision(Verdict.DEAD, reason="redelivery_limit",
+                            error=f"redelivered {count} times without being settled (worker crashes?)")
         return None
 
     def _record(self, delivery: Delivery, task: Task, result: FetchResult, decision: Decision,

@@ -54,8 +54,10 @@ def work_queue_arguments(cfg: Config) -> dict[str, Any]:
     if cfg.queue.type != "quorum":
         return {}
     return {"x-queue-type": "quorum",
-            # Counts broker redeliveries (crashes); our own header counts retries.
-            "x-delivery-limit": cfg.queue.max_deliver,
+            # Counts broker redeliveries (crashes); our own header counts retries. The
+            # worker dead-letters at max_deliver (with a store row); this is the backstop
+            # for a task that kills its worker before the worker can even look at it.
+            "x-delivery-limit": cfg.queue.max_deliver + 2,
             "x-dead-letter-exchange": "",
             "x-dead-letter-routing-key": dead_queue_name(cfg.queue.name)}
 
@@ -251,9 +253,11 @@ class AmqpTransport(Transport):
     def _on_message(self, channel: Any, method: Any, props: Any, body: bytes) -> None:
         headers = dict(props.headers or {})
         attempt = _int_header(headers.get(ATTEMPT_HEADER), 1)
+        broker_count = headers.get("x-delivery-count")      # quorum queues count for us
         delivery = Delivery(body=body, message_id=props.message_id, attempt=attempt,
                             redelivered=bool(method.redelivered), origin=self.queue,
-                            handle=(self._generation, method.delivery_tag), headers=headers)
+                            handle=(self._generation, method.delivery_tag), headers=headers,
+                            broker_redeliveries=int(broker_count) if broker_count is not None else None)
         if not self._auto_ack:
             self._unsettled[method.delivery_tag] = delivery
         assert self._on_delivery is not None

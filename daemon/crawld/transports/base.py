@@ -51,6 +51,7 @@ class Delivery:
     handle: Any
     headers: dict[str, Any] = field(default_factory=dict)
     stream_seq: int | None = None
+    broker_redeliveries: int | None = None   # when the broker counts them (quorum x-delivery-count)
     received_at: float = field(default_factory=time.monotonic)
 
 

@@ -195,8 +195,10 @@ async def ensure_consumer(js: JetStreamContext, cfg: Config) -> dict[str, dict[s
                      ack_wait_s=want.ack_wait, max_ack_pending=want.max_ack_pending)
             return {}
         except jse.BadRequestError as exc:
-            info = await _info_or_refuse(js.consumer_info(STREAM, cfg.queue.name),
-                                         await _consumer_refusal(js, cfg), exc)
+            try:   # lost a creation race to another worker: bind to its consumer
+                info = await js.consumer_info(STREAM, cfg.queue.name)
+            except jse.NotFoundError:
+                raise TopologyError(await _consumer_refusal(js, cfg, exc)) from None
     diffs = config_drift(info.config, want, CONSUMER_DRIFT_FIELDS)
     if diffs:
         log.warning("jetstream_consumer_drift", stream=STREAM, consumer=cfg.queue.name, diffs=diffs,
@@ -204,15 +206,17 @@ async def ensure_consumer(js: JetStreamContext, cfg: Config) -> dict[str, dict[s
     return diffs
 
 
-async def _consumer_refusal(js: JetStreamContext, cfg: Config) -> str:
+async def _consumer_refusal(js: JetStreamContext, cfg: Config, exc: jse.APIError) -> str:
     """Name the consumers that already own the work queue: the usual cause is a renamed
     queue.name (a WorkQueue stream allows one consumer per subject)."""
     try:
         others = [c.name for c in await js.consumers_info(STREAM)]
     except RETRYABLE:
         others = []
-    return (f"durable consumer {cfg.queue.name!r} on stream {STREAM} (existing consumers: "
-            f"{others or 'unknown'}; queue.name must match the one that owns {WORK_FILTER})")
+    return (f"stream {STREAM} refused durable consumer {cfg.queue.name!r}: {exc.description} "
+            f"(err_code {exc.err_code}). Existing consumers: {others or 'unknown'}. A WorkQueue "
+            f"stream allows one consumer per subject: set queue.name to the existing one, or "
+            f"delete that consumer deliberately.")
 
 
 # -- connection ----------------------------------------------------------------------
@@ -884,15 +888,16 @@ async def _stream_stats(js: JetStreamContext) -> dict[str, Any]:
     try:
         info = await js.stream_info(STREAM)
     except jse.NotFoundError:
-        return {"stream_exists": False, "messages": 0, "bytes": 0, "oldest_age_s": None}
+        return {"stream_exists": False, "messages": 0, "depth": 0, "bytes": 0, "oldest_waiting_s": None}
     state = info.state
-    out = {"stream_exists": True, "messages": state.messages, "bytes": state.bytes,
-           "first_seq": state.first_seq, "last_seq": state.last_seq, "oldest_age_s": None}
+    out = {"stream_exists": True, "messages": state.messages, "depth": state.messages,
+           "bytes": state.bytes, "first_seq": state.first_seq, "last_seq": state.last_seq,
+           "consumers": state.consumer_count, "oldest_waiting_s": None}
     if state.messages:
         try:   # the first message still in a WorkQueue stream is the oldest unfinished task
             first = await js.get_msg(STREAM, state.first_seq)
             if first.time is not None:
-                out["oldest_age_s"] = round(max(0.0, time.time() - first.time.timestamp()), 3)
+                out["oldest_waiting_s"] = round(max(0.0, time.time() - first.time.timestamp()), 3)
         except (jse.NotFoundError, asyncio.TimeoutError):
             pass   # acked in between: not worth a retry for a status line
     return out
