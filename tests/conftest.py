@@ -101,9 +101,15 @@ def crawld_env(request: pytest.FixtureRequest, tmp_path: Path, tmp_store: StoreP
 
     def build(*, broker_url: str | None = None, transport: str = "amqp",
               filename: str = "crawld.toml", **sections: dict[str, Any]) -> Path:
-        if broker_url is None:
-            server = request.getfixturevalue("nats" if transport == "jetstream" else "rabbit")
+        if broker_url is None and transport == "jetstream":
+            # CRAWL is a WorkQueue stream: one durable per subject filter per server, so
+            # every test gets its own nats-server (it starts in a few ms).
+            server = NatsServer()
+            server.start()
+            request.addfinalizer(server.close)
             broker_url = server.url
+        elif broker_url is None:
+            broker_url = request.getfixturevalue("rabbit").url
         sections["queue"] = {"name": queue_name, **sections.get("queue", {})}
         sections["store"] = {"url": tmp_store.url, "body_dir": str(tmp_store.body_dir),
                              **sections.get("store", {})}

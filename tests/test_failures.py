@@ -279,3 +279,25 @@ def test_malformed_messages_dead_at_once_worker_keeps_running(make_crawld, site,
     assert rabbit.queue_depth(f"{queue}.dead") == 6
     assert daemon.events("worker_died") == []
     assert all(e.get("task_id") for e in daemon.events("message_malformed"))
+
+
+@pytest.mark.parametrize("transport", ["amqp", "jetstream"])
+def test_task_that_kills_its_worker_is_dead_lettered_not_redelivered_forever(make_crawld, site, transport):
+    """Dramatiq's weak point: a SIGKILLed task redelivers forever. We count deliveries."""
+    daemon = make_crawld(transport, workers={"count": 1, "threads": 2, "crash_limit": 20,
+                                             "backoff_max_s": 0.5},
+                         queue={"prefetch": 1, "max_deliver": 3, "ack_wait_s": 2},
+                         env={"CRAWLD_TEST_FAULT": "poison"})
+    key = _key()
+    poison = site.url(f"/fast/poison/{key}")
+    assert daemon.publish([poison] + [site.url(f"/fast/{key}-{i}") for i in range(10)]).returncode == 0
+    daemon.start()
+    daemon.wait_finished(11, timeout=120)
+    assert daemon.stop() == 0
+    dead = daemon.store.list_dead()
+    assert [d.url for d in dead] == [poison]
+    assert dead[0].reason in ("redelivery_limit", "retries_exhausted")
+    crashes = len(daemon.events("worker_died"))
+    assert 2 <= crashes <= 3, crashes
+    assert daemon.count("results") == 10
+    assert daemon.reconcile()[0] == 0

@@ -247,6 +247,8 @@ class Worker:
             bound.error("delivery_limit_reached", reason=guard.reason, error=guard.error)
             return self._dead(delivery, task, guard)
         self._fault("after_receive")
+        if "poison" in self._faults and "/poison/" in task.url:
+            os._exit(17)              # test-only: a task that kills every worker it reaches
         self._early_ack_demo(delivery, task)
         result = self.fetcher.fetch(task.url)
         self.metrics.on_fetch(result.elapsed_s, result.http_status)

