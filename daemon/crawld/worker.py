@@ -173,8 +173,7 @@ class Worker:
 
     # -- deliveries ------------------------------------------------------------------
     def _free_slots(self) -> int:
-        if self._stop:
-            return 0
+        # Also while draining: a pull already answered is better processed than given back.
         return max(0, self.cfg.workers.threads - self._inflight())
 
     def _inflight(self) -> int:

@@ -329,6 +329,7 @@ class JetStreamTransport(Transport):
         self._free_slots: Callable[[], int] = lambda: 0
         self._consuming = False
         self._closed = False
+        self._closing = False
         self._rebind = False
         self._pull_task: asyncio.Task[None] | None = None
         self._ticker_task: asyncio.Task[None] | None = None
@@ -412,7 +413,9 @@ class JetStreamTransport(Transport):
             self._ticker_task = self._loop.create_task(self._progress_loop())
 
     def stop_consuming(self) -> None:
-        """No new pulls; whatever the pull in flight still brings is released by close()."""
+        """No new pulls. What the pull in flight still brings is handed to the worker if it
+        has room (a release would count as a redelivery caused by the stop); the rest is
+        released by close()."""
         self._consuming = False
         self._wake.set()
 
@@ -480,7 +483,7 @@ class JetStreamTransport(Transport):
         except asyncio.TimeoutError:   # nats TimeoutError/FetchTimeoutError: empty queue, normal
             return
         # nats-py may hand back messages left over from an earlier pull: never exceed the slots.
-        slots = self._slots() if self._consuming else 0
+        slots = 0 if self._closing else self._slots()
         for msg in msgs:
             if slots > 0:
                 self._dispatch(msg)
@@ -557,8 +560,12 @@ class JetStreamTransport(Transport):
 
     # -- settling -----------------------------------------------------------------------
     def pending_settlements(self) -> int:
+        """Queued settles, plus the last pull request while it may still bring messages:
+        a draining worker waits for both before it calls close()."""
         with self._pending_lock:
-            return self._pending
+            pending = self._pending
+        pulling = not self._consuming and self._pull_task is not None and not self._pull_task.done()
+        return pending + int(pulling)
 
     def settle(self, delivery: Delivery, settlement: Settlement) -> None:
         """Thread-safe: the broker side runs on the loop during the next poll()."""
@@ -665,6 +672,7 @@ class JetStreamTransport(Transport):
         if self._closed:
             return
         self._consuming = False
+        self._closing = True
         try:
             self._run(self._shutdown())
         finally:
