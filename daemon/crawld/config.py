@@ -43,6 +43,7 @@ class QueueConfig:
     replicas: int = 1
     duplicate_window_s: float = 86400.0
     max_message_bytes: int = 65536
+    max_ack_pending: int = 20000
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,7 @@ def validate(cfg: Config) -> None:
         (cfg.queue.type in ("classic", "quorum"), "queue.type: must be 'classic' or 'quorum'"),
         (cfg.queue.replicas in (1, 3, 5), "queue.replicas: must be 1, 3 or 5"),
         (cfg.queue.max_message_bytes >= 256, "queue.max_message_bytes: must be >= 256"),
+        (cfg.queue.max_ack_pending >= 1, "queue.max_ack_pending: must be >= 1"),
         (cfg.workers.count >= 0, "workers.count: must be >= 0"),
         (cfg.workers.threads >= 1, "workers.threads: must be >= 1"),
         (cfg.workers.drain_timeout_s >= 0, "workers.drain_timeout_s: must be >= 0"),

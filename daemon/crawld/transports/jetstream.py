@@ -117,8 +117,13 @@ def dead_stream_config(cfg: Config) -> StreamConfig:
 
 
 def max_ack_pending(cfg: Config) -> int:
-    """One consumer for all workers: its ceiling is every worker's prefetch together."""
-    return max(1, cfg.queue.prefetch * max(1, cfg.workers.count))
+    """Consumer-wide ceiling on unacked messages, shared by every worker on every host.
+
+    Messages waiting out a ``nak(delay=...)`` retry count as ack-pending until they are
+    redelivered, so this must leave room for all delayed retries; a small value stalls
+    the whole consumer behind them. Each worker bounds its own share by queue.prefetch.
+    """
+    return max(cfg.queue.max_ack_pending, cfg.queue.prefetch)
 
 
 def consumer_config(cfg: Config) -> ConsumerConfig:
@@ -460,7 +465,8 @@ class JetStreamTransport(Transport):
                 failures += 1
                 delay = random.uniform(0, min(self.cfg.broker.reconnect_max_s, 0.2 * 2 ** min(failures, 10)))
                 log.warning("jetstream_pull_failed", error=repr(exc), failures=failures,
-                            retry_in_s=round(delay, 2))
+                            code=getattr(exc, "code", None), err_code=getattr(exc, "err_code", None),
+                            description=getattr(exc, "description", None), retry_in_s=round(delay, 2))
                 self._rebind = True
                 await asyncio.sleep(delay)
 
