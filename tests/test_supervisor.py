@@ -181,6 +181,8 @@ def test_pid_file_status_and_metrics(make_crawld, site, tmp_path):
     assert metrics['crawld_http_responses_total{status="404"}'] == 1
     assert daemon.stop() == 0
     assert not pid_file.exists()
+    log_text = daemon.log_path.read_text()
+    assert "guest:guest@" not in log_text and "guest:***@" in log_text, "credentials never printed"
 
 
 def parse_metrics(body: str) -> dict[str, float]:

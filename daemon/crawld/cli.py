@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="Self-contained demo: nats-server, local site, 2 workers.")
     p.add_argument("--dir", help="keep the store and logs here (default: a temp dir)")
     p.add_argument("--transport", choices=["jetstream", "amqp"], default="jetstream")
-    p.add_argument("--tasks", type=int, default=60)
+    p.add_argument("--tasks", type=int, default=100)
     p.add_argument("--workers", type=int, default=2)
     return parser
 

@@ -124,7 +124,12 @@ def _stop_at_exit(stop: Callable[[], None]) -> None:
     atexit.register(hook)
 
 
+ANNOUNCE = True     # the test harness prints start times; `crawld demo` prints its own
+
+
 def _announce(what: str, seconds: float) -> None:
+    if not ANNOUNCE:
+        return
     print(f"[crawld] {what} started in {seconds:.2f}s", file=sys.stderr, flush=True)
 
 

@@ -1,0 +1,41 @@
+"""`crawld demo` as a newcomer runs it: a subprocess, no broker installed beforehand."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+from harness import leftover_processes
+
+
+def test_demo_200_tasks_end_to_end(tmp_path):
+    workdir = tmp_path / "demo"
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "crawld", "demo", "--tasks", "200", "--dir", str(workdir)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("CRAWLD_")})
+    print(done.stdout[-3000:])
+    print(f"demo took {time.monotonic() - started:.1f} s")
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert re.search(r"LOST\s+0\b", out)
+    always_500 = 200 // 25
+    assert re.search(rf"dead\s+{always_500}\b", out), "dead count equals the always-500 pages"
+    assert "killed worker pid" in out
+    for kind in ("always-500", "slow", "404", "500-then-ok", "redirect", "robots-disallowed", "fast"):
+        assert kind in out
+    assert "skipped robots" in out and "dead retries_exhausted" in out
+    assert (workdir / "crawld.db").exists() and (workdir / "crawld.log").exists()
+    assert "Traceback" not in done.stderr
+    time.sleep(0.5)
+    assert leftover_processes(str(workdir)) == [], "nothing the demo started is left running"
+
+
+def test_demo_amqp_without_rabbitmq_is_a_clear_message(tmp_path, monkeypatch):
+    from crawld import demo
+    monkeypatch.setattr(demo, "RABBITMQ_SERVER", str(tmp_path / "no-such-rabbitmq-server"))
+    import argparse
+    code = demo.run_demo(argparse.Namespace(dir=str(tmp_path / "d"), transport="amqp", tasks=10, workers=1))
+    assert code == 2
