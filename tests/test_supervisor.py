@@ -193,3 +193,19 @@ def parse_metrics(body: str) -> dict[str, float]:
         name, value = line.rsplit(" ", 1)
         out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+def test_worker_that_cannot_boot_stops_the_supervisor_at_once(make_crawld, rabbit):
+    """gunicorn's rule: a topology the broker refuses will not be accepted on retry either."""
+    daemon = make_crawld("amqp", workers={"count": 2})
+    from crawld.config import load_config
+    queue = load_config(str(daemon.config_path)).queue.name
+    with rabbit.channel() as ch:        # someone else owns the queue with other arguments
+        ch.queue_declare(queue, durable=True, arguments={"x-max-length": 10})
+    started = time.monotonic()
+    daemon.start()
+    assert daemon.proc.wait(30) == 1
+    assert time.monotonic() - started < 15
+    failed = daemon.events("worker_boot_failed")
+    assert failed and failed[0]["reason"] == "topology" and "PRECONDITION_FAILED" in failed[0]["error"]
+    assert "failed to boot" in daemon.log_path.read_text()

@@ -366,19 +366,75 @@ class SQLiteStore(Store):
 
 
 class PostgresStore(Store):
-    """psycopg 3 with a small pool; the same statements as SQLite."""
+    """psycopg 3 with a small pool; the same statements as SQLite.
+
+    Differences from SQLite handled here (the shared SQL stays as it is):
+
+    * Placeholders: ``?`` becomes ``%s`` outside string literals, and a literal ``%``
+      (``LIKE '%x%'``) is doubled: psycopg parses every ``%`` of a statement that has
+      parameters, and we always pass a (maybe empty) parameter sequence.
+    * 64-bit columns: SQLite's INTEGER is 64-bit, PostgreSQL's is 32-bit. A JetStream
+      stream sequence (uint64) above 2**31-1 would make every ``put_result`` fail with
+      "integer out of range", so ``results.stream_seq`` and ``results.bytes`` are BIGINT
+      here, and an existing INTEGER column is migrated on start.
+    * Pooled connections are checked before use: after a PostgreSQL restart (or a
+      failover) the pool would otherwise hand out each dead connection once, and every
+      one of those store writes would fail and send its task to a retry tier.
+    * The first connection is made directly, so a wrong URL / password / database name
+      fails with PostgreSQL's own message (instead of a bare pool timeout after 30 s and
+      pool warnings on stderr); a server that is merely not reachable yet is retried up
+      to ``connect_wait_s``.
+    """
 
     placeholder = "%s"
+    BIGINT_COLUMNS = {"results": ("stream_seq", "bytes")}
+    SCHEMA_LOCK = 7263521
 
-    def __init__(self, url: str, body_dir: str, pool_size: int = 8) -> None:
+    def __init__(self, url: str, body_dir: str, pool_size: int = 8,
+                 connect_wait_s: float = 30.0) -> None:
         super().__init__(body_dir)
         try:
+            import psycopg
             from psycopg_pool import ConnectionPool
         except ImportError as exc:  # pragma: no cover - depends on extras
             raise RuntimeError("store.url is postgresql:// but psycopg / psycopg-pool are not "
                                "installed (pip install 'crawld[postgres]')") from exc
-        self.pool = ConnectionPool(url, min_size=1, max_size=pool_size, open=True,
-                                   kwargs={"autocommit": False})
+        self._first_connect(psycopg, url, connect_wait_s)
+        self.pool = ConnectionPool(url, min_size=1, max_size=max(1, pool_size), open=True,
+                                   kwargs={"autocommit": False, "application_name": "crawld"},
+                                   check=ConnectionPool.check_connection,
+                                   timeout=connect_wait_s, name="crawld-store")
+
+    @staticmethod
+    def _first_connect(psycopg: Any, url: str, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        delay = 0.1
+        while True:
+            try:
+                psycopg.connect(url, connect_timeout=max(2, min(10, int(wait_s)))).close()
+                return
+            except psycopg.OperationalError as exc:
+                # sqlstate set: the server answered (bad password, no such database...):
+                # waiting will not help. None: not reachable (yet).
+                if exc.sqlstate is not None or time.monotonic() + delay > deadline:
+                    raise RuntimeError(" ".join(str(exc).split())) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _sql(self, sql: str) -> str:
+        out = []
+        in_literal = False
+        for ch in sql:
+            if ch == "'":
+                in_literal = not in_literal   # '' inside a literal toggles twice: fine
+                out.append(ch)
+            elif ch == "%":
+                out.append("%%")
+            elif ch == "?" and not in_literal:
+                out.append("%s")
+            else:
+                out.append(ch)
+        return "".join(out)
 
     @contextmanager
     def _tx(self) -> Iterator[Any]:
@@ -388,11 +444,23 @@ class PostgresStore(Store):
                     yield cur
 
     def init_schema(self) -> None:
-        # Concurrent CREATE IF NOT EXISTS can race on the catalog: serialise with a lock.
+        # Concurrent CREATE IF NOT EXISTS can race on the catalog (two hosts starting
+        # together): serialise with a transaction-scoped advisory lock.
         with self._tx() as cur:
-            cur.execute("SELECT pg_advisory_xact_lock(7263521)")
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (self.SCHEMA_LOCK,))
             for stmt in SCHEMA:
+                for table, columns in self.BIGINT_COLUMNS.items():
+                    if f"TABLE IF NOT EXISTS {table} " in stmt:
+                        for col in columns:
+                            stmt = stmt.replace(f"{col} INTEGER", f"{col} BIGINT")
                 cur.execute(stmt)
+            for table, columns in self.BIGINT_COLUMNS.items():
+                cur.execute("SELECT column_name FROM information_schema.columns "
+                            "WHERE table_schema = current_schema() AND table_name = %s "
+                            "AND data_type = 'integer' AND column_name = ANY(%s)",
+                            (table, list(columns)))
+                for (col,) in cur.fetchall():
+                    cur.execute(f"ALTER TABLE {table} ALTER COLUMN {col} TYPE BIGINT")
 
     def close(self) -> None:
         self.pool.close()

@@ -37,7 +37,7 @@ from typing import Any, Callable
 from .config import Config, ConfigError, env_for, runtime_dir
 from .logs import get_logger
 from .metrics import MULTIPROC_ENV, mark_worker_dead
-from .worker import HEARTBEAT_FD_ENV
+from .worker import EXIT_BOOT_ERROR, HEARTBEAT_FD_ENV
 
 log = get_logger("crawld.supervisor")
 
@@ -65,6 +65,7 @@ class Child:
     status: dict[str, Any] = field(default_factory=dict)
     retiring: bool = False
     retire_deadline: float = 0.0
+    ran: bool = False              # reported "running" at least once
     buffer: bytes = b""
 
     @property
@@ -238,6 +239,10 @@ class Supervisor:
                      lived_s=round(lived, 1))
             self.slot_crashes.pop(child.slot, None)
             return
+        if code == EXIT_BOOT_ERROR and not child.ran:
+            # gunicorn's rule: a worker that cannot boot will not boot on retry either.
+            raise CrashLoop(f"worker slot {child.slot} failed to boot (exit code {code}): the broker "
+                            f"or store refused our setup; see the worker_boot_failed event above")
         crashes = 1 if lived >= STABLE_AFTER_S else self.slot_crashes.get(child.slot, 0) + 1
         self.slot_crashes[child.slot] = crashes
         backoff = min(self.cfg.workers.backoff_max_s, BACKOFF_BASE_S * 2 ** (crashes - 1))
@@ -271,6 +276,7 @@ class Supervisor:
                     child.status = json.loads(lines[-1])
                 except ValueError:
                     pass
+                child.ran = child.ran or child.status.get("state") == "running"
 
     def _check_liveness(self) -> None:
         """A worker whose loop stopped beating is killed; the reaper respawns it."""

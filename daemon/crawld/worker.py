@@ -29,7 +29,7 @@ from .metrics import Metrics
 from .stats import Stats
 from .store import DeadRow, ResultRow, Store
 from .task import MalformedMessage, Task, parse_message
-from .transports.base import Action, Delivery, Settlement, Transport
+from .transports.base import Action, Delivery, Settlement, TopologyError, Transport
 
 log = get_logger("crawld.worker")
 
@@ -419,12 +419,19 @@ def _int_env(name: str) -> int | None:
         return None
 
 
+EXIT_BOOT_ERROR = 3      # retrying cannot help: the supervisor stops instead of respawning
+
+
 def run_worker(cfg: Config) -> int:
     """Entry point of `crawld worker` and of each supervisor child."""
     from .store import open_store
     from .transports import make_transport
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
-    store = open_store(cfg.store, pool_size=cfg.workers.threads + 2)
+    try:
+        store = open_store(cfg.store, pool_size=cfg.workers.threads + 2)
+    except Exception as exc:
+        log.error("worker_boot_failed", reason="store", error=repr(exc))
+        return EXIT_BOOT_ERROR
     fetcher = Fetcher(cfg.fetch, pool_size=cfg.workers.threads, run_dir=str(runtime_dir(cfg)),
                       stats=Stats())
     auto_ack = "auto_ack" in os.environ.get(FAULT_ENV, "").split(",")   # test-only demonstration
@@ -433,6 +440,9 @@ def run_worker(cfg: Config) -> int:
     worker.install_signal_handlers()
     try:
         return worker.run()
+    except TopologyError as exc:
+        log.error("worker_boot_failed", reason="topology", error=str(exc))
+        return EXIT_BOOT_ERROR
     finally:
         fetcher.close()
         store.close()

@@ -27,7 +27,7 @@ from ..logs import get_logger
 from ..task import Task
 from .base import (ATTEMPT_HEADER, ERROR_HEADER, ORIGIN_HEADER, REASON_HEADER, Action, Delivery,
                    DeliveryCallback, ProgressCallback, PublishReport, Publisher, Settlement,
-                   Transport, tier_for, truncate)
+                   TopologyError, Transport, tier_for, truncate)
 
 log = get_logger("crawld.amqp")
 
@@ -36,8 +36,6 @@ CONNECTION_ERRORS = (pex.AMQPConnectionError, pex.ConnectionClosed, pex.ChannelC
                      ConnectionError, OSError)
 
 
-class TopologyError(RuntimeError):
-    """The broker refused our queue declarations (e.g. existing queue, other arguments)."""
 
 
 # -- topology -----------------------------------------------------------------------

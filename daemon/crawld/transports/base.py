@@ -22,6 +22,10 @@ REASON_HEADER = "x-crawld-reason"
 MAX_HEADER_CHARS = 512
 
 
+class TopologyError(RuntimeError):
+    """The broker refused our queues/streams/consumer: retrying cannot help (boot error)."""
+
+
 class Action(enum.Enum):
     ACK = "ack"          # stored a result: done
     SKIP = "skip"        # stored a skipped result: AMQP ack, JetStream term

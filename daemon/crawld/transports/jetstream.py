@@ -53,7 +53,7 @@ from ..config import Config, redact_url
 from ..task import Task, safe_source
 from .base import (ATTEMPT_HEADER, ERROR_HEADER, ORIGIN_HEADER, REASON_HEADER, Action, Delivery,
                    DeliveryCallback, ProgressCallback, PublishReport, Publisher, Settlement,
-                   Transport, truncate)
+                   TopologyError, Transport, truncate)
 
 log = structlog.get_logger("crawld.jetstream")
 
@@ -86,8 +86,6 @@ RETRYABLE = (OSError, asyncio.TimeoutError, nats.errors.Error)
 T = TypeVar("T")
 
 
-class TopologyError(RuntimeError):
-    """The server refused our stream/consumer (e.g. another consumer owns the work queue)."""
 
 
 # -- naming and topology -------------------------------------------------------------
