@@ -173,8 +173,11 @@ class Worker:
 
     # -- deliveries ------------------------------------------------------------------
     def _free_slots(self) -> int:
-        # Also while draining: a pull already answered is better processed than given back.
-        return max(0, self.cfg.workers.threads - self._inflight())
+        """How many more deliveries a pull transport may take: queue.prefetch bounds what a
+        worker holds (as basic.qos does for AMQP), the thread count what it can start.
+        Also while draining: a pull already answered is better processed than given back."""
+        limit = min(self.cfg.workers.threads, self.cfg.queue.prefetch)
+        return max(0, limit - self._inflight())
 
     def _inflight(self) -> int:
         with self._lock:

@@ -251,7 +251,12 @@ class AmqpTransport(Transport):
     def _on_message(self, channel: Any, method: Any, props: Any, body: bytes) -> None:
         headers = dict(props.headers or {})
         attempt = _int_header(headers.get(ATTEMPT_HEADER), 1)
-        broker_count = headers.get("x-delivery-count")      # quorum queues count for us
+        # Quorum queues count for us. Only they: the broker overwrites x-delivery-count on
+        # a quorum queue (0 on the first delivery on 3.10), but a classic queue passes a
+        # client-supplied header through untouched, so on classic queues the header is
+        # just publisher data (a plain client, or a copy forwarded from a quorum queue)
+        # and must not count as crash redeliveries (the store counter does that there).
+        broker_count = headers.get("x-delivery-count") if self.cfg.queue.type == "quorum" else None
         delivery = Delivery(body=body, message_id=props.message_id, attempt=attempt,
                             redelivered=bool(method.redelivered), origin=self.queue,
                             handle=(self._generation, method.delivery_tag), headers=headers,

@@ -1,0 +1,129 @@
+"""crawld vs Celery 5 vs Dramatiq: same broker, same work, same process and thread counts.
+
+    python tests/bench/bench_frameworks.py [--quick]
+
+Every contender runs the same task body on the same zero-latency pages: crawld's Fetcher
+(SSRF guard, robots, politeness, deadlines) and crawld's SQLite store upsert (bench_task.py
+for Celery and Dramatiq). Settings that matter:
+
+* crawld: ``crawld run --workers P``, workers.threads 16, queue.prefetch 16;
+* Celery: P x ``celery worker -P threads -c 16 --prefetch-multiplier 1``, acks_late=True
+  (prefetch 16 per process, ack after the task);
+* Dramatiq: ``dramatiq -p P -t 16`` with dramatiq_queue_prefetch=16 (acks after the actor).
+
+N tasks are published first (not timed: crawld through its outbox, Celery apply_async,
+Dramatiq send), then the workers are started and timed until all N rows are stored;
+the steady rate (first stored row -> last) is compared, as in bench_e2e.py. The three
+run one after another for each process count, so drift hits them alike.
+"""
+from __future__ import annotations
+
+import importlib.util
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchlib import (BENCH_DIR, PY, THREADS, Env, Ratio, Section, Table, amqp_delete, bench_main,
+                      db_count, ratio, run_json, run_section, stop_proc, wait_rows, write_urls)
+
+KEY = "frameworks"
+COMMAND = "python tests/bench/bench_frameworks.py"
+
+
+def available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def framework_env(env: Env, directory: Path, queue: str) -> dict[str, str]:
+    return {"BENCH_AMQP_URL": env.rabbit.url, "BENCH_QUEUE": queue, "BENCH_DB": str(directory / "crawld.db"),
+            "BENCH_BODY_DIR": str(directory / "bodies"), "BENCH_RUN_DIR": str(directory / "run"),
+            "BENCH_THREADS": str(THREADS), "dramatiq_queue_prefetch": str(THREADS),
+            "PYTHONPATH": str(BENCH_DIR)}
+
+
+def framework_run(env: Env, framework: str, procs: int, n: int) -> dict[str, Any]:
+    directory = env.scenario_dir(framework[:3])
+    queue = directory.name
+    (directory / "run").mkdir()
+    fenv = framework_env(env, directory, queue)
+    urls = write_urls(directory / "urls.txt", (f"{env.site}/fast/{queue}/{i}" for i in range(n)))
+    app = "celery_app.py" if framework == "celery" else "dramatiq_app.py"
+    started = time.perf_counter()
+    run_json([PY, str(BENCH_DIR / app), "publish", str(urls)], timeout=300, env=fenv)
+    publish_s = time.perf_counter() - started
+    log = directory / "worker.log"
+    if framework == "celery":
+        cmds = [[PY, "-m", "celery", "-A", "celery_app", "worker", "-P", "threads", "-c", str(THREADS),
+                 "--prefetch-multiplier", "1", "-Q", queue, "--without-gossip", "--without-mingle",
+                 "--without-heartbeat", "-l", "WARNING", "-n", f"w{i}@{queue}"] for i in range(procs)]
+    else:
+        cmds = [[PY, "-m", "dramatiq", "dramatiq_app", "-p", str(procs), "-t", str(THREADS), "-Q", queue,
+                 "--path", str(BENCH_DIR), "--worker-shutdown-timeout", "30000"]]
+    started = time.perf_counter()
+    workers = [env.spawn(cmd, log=log, env=fenv, cwd=BENCH_DIR) for cmd in cmds]
+    progress = wait_rows(directory / "crawld.db", n, started, timeout=60 + n / 30, proc=workers[0])
+    for proc in workers:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in workers:
+        stop_proc(proc, timeout=60)
+    names = [queue] + ([f"{queue}.DQ", f"{queue}.XQ"] if framework == "dramatiq" else [])
+    amqp_delete(env.rabbit.url, *names)
+    return {"progress": progress, "publish_rate": n / publish_s, "log": log,
+            "duplicates": db_count(directory / "crawld.db", "results", "writes > 1")}
+
+
+def measure(env: Env, quick: bool, section: Section) -> None:
+    from bench_e2e import crawld_e2e
+    n = 2000 if quick else 6000
+    contenders = ["crawld"] + [f for f in ("celery", "dramatiq") if available(f)]
+    for missing in {"celery", "dramatiq"} - set(contenders):
+        section.notes.append(f"{missing} is not installed: pip install {missing} (skipped)")
+    table = Table(f"{n:,} tasks of /fast/ pages, {THREADS} threads and prefetch 16 per process, same "
+                  f"RabbitMQ node, same Fetcher + SQLite store", ["framework", "processes",
+                                                                  "publish/s (untimed)", "wall s",
+                                                                  "wall/s", "steady/s", "dup writes"])
+    rates: dict[tuple[str, int], float | None] = {}
+    for procs in ((2,) if quick else (1, 2)):
+        for name in contenders:
+            if name == "crawld":
+                result = crawld_e2e(env, "amqp", procs, n, tag="fwk")
+                progress, publish_rate = result["progress"], result["publish"]["rate"]
+                dups = result["duplicates"]
+            else:
+                result = framework_run(env, name, procs, n)
+                progress, publish_rate, dups = result["progress"], result["publish_rate"], result["duplicates"]
+            if progress.done_t is None:
+                section.notes.append(f"{name} with {procs} process(es) stored only {progress.final}/{n} "
+                                     f"before the timeout")
+            rates[(name, procs)] = progress.steady_rate if progress.done_t else None
+            table.add(name, procs, publish_rate, progress.wall_s, progress.wall_rate,
+                      rates[(name, procs)], dups)
+    section.tables.append(table)
+    for (name, procs), rate in rates.items():
+        if name == "crawld":
+            continue
+        target = (">= 3x", 3.0) if name == "celery" else ("", None)
+        section.ratios.append(Ratio(f"crawld / {name}, {procs} process(es)", ratio(rates[("crawld", procs)], rate),
+                                    *target))
+        section.data[f"{name}_{procs}"] = rate
+    for procs in (1, 2):
+        section.data[f"crawld_{procs}"] = rates.get(("crawld", procs))
+    section.notes.append("Celery uses its thread pool (-P threads), the closest match to crawld's "
+                         "worker threads; the task body is bench_task.py (same code as crawld's fetch "
+                         "and store). Celery acks_late=True, worker_prefetch_multiplier=1.")
+
+
+def run(env: Env, quick: bool, ctx: dict[str, Section] | None = None) -> Section:
+    return run_section(KEY, "crawld vs Celery 5 vs Dramatiq (same broker, same work, same processes)",
+                       COMMAND + (" --quick" if quick else ""), lambda s: measure(env, quick, s))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(KEY, run, needs=("rabbit", "site"), argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

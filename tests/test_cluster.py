@@ -1,0 +1,439 @@
+"""Beyond one host, on real servers started by the tests.
+
+* two "hosts" (two supervisors, separate configs and run dirs) on one RabbitMQ and one
+  PostgreSQL, 5,000 tasks, one host SIGKILLed (supervisor and workers) mid-run and restarted;
+* a three-node nats-server cluster with an R3 stream, one node SIGKILLed mid-run;
+* a RabbitMQ quorum queue: crawld's own redelivery guard (x-delivery-count) and the
+  broker's x-delivery-limit backstop dead-letter a poison task;
+* PostgreSQL-only store behaviour (64-bit columns, migration, '%' in SQL, restarts).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pika
+import pytest
+from crawld_proc import Crawld, all_descendants
+from harness import NatsCluster, make_config, run_async, wait_until
+
+from crawld.config import StoreConfig
+from crawld.store import PostgresStore, ResultRow, open_store
+from crawld.task import new_task
+from crawld.transports.amqp import dead_queue_name
+from crawld.transports.jetstream import STREAM
+
+
+def _key() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _log(msg: str) -> None:
+    print(f"\n[cluster] {msg}", flush=True)
+
+
+# -- fixtures -----------------------------------------------------------------------------
+@pytest.fixture
+def pg_url(postgres) -> str:
+    """A fresh database on the session's PostgreSQL: the one store every host shares."""
+    return postgres.create_database(f"c{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+def make_host(tmp_path: Path, queue_name: str) -> Iterator[Callable[..., Crawld]]:
+    """One config file per "host": its own directory, run_dir (politeness locks, supervisor
+    state) and body dir; the same queue name, broker and store for all of them."""
+    made: list[Crawld] = []
+
+    def build(name: str, *, broker_url: str, transport: str, store_url: str,
+              env: dict[str, str] | None = None, **sections: dict[str, Any]) -> Crawld:
+        home = tmp_path / name
+        home.mkdir()
+        sections.setdefault("log", {"format": "json"})
+        sections["queue"] = {"name": queue_name, **sections.get("queue", {})}
+        sections["store"] = {"url": store_url, "body_dir": str(home / "bodies")}
+        sections["workers"] = {"run_dir": str(home / "run"), "drain_timeout_s": 20,
+                               **sections.get("workers", {})}
+        sections["fetch"] = {"per_host_concurrency": 64, "allow_networks": ["127.0.0.0/8"],
+                             **sections.get("fetch", {})}
+        sections["broker"] = {"reconnect_max_s": 2, **sections.get("broker", {})}
+        daemon = Crawld(make_config(home, broker_url=broker_url, transport=transport, **sections),
+                        env=env)
+        made.append(daemon)
+        return daemon
+
+    yield build
+    for daemon in made:
+        daemon.close()
+
+
+def kill_host(daemon: Crawld) -> list[int]:
+    """A host dies: freeze the supervisor and every descendant first (so nothing respawns
+    and no worker notices its parent's death and drains), then SIGKILL them all."""
+    assert daemon.proc is not None
+    root = daemon.proc.pid
+    pids = [root] + all_descendants(root)
+    for pid in pids:
+        _signal(pid, signal.SIGSTOP)
+    pids = list(dict.fromkeys(pids + all_descendants(root)))
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+    daemon.proc.wait(10)
+    wait_until(lambda: not any(_alive(p) for p in pids), 10, what="host processes gone")
+    return pids
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def worker_pids_seen(daemon: Crawld) -> set[int]:
+    return {int(e["worker_pid"]) for e in daemon.events("worker_spawned")}
+
+
+# -- two hosts, one broker, one PostgreSQL ----------------------------------------------------
+TWO_HOST_TASKS = 5000
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_two_hosts_one_postgres_host_killed_midrun(make_host, rabbit, site, pg_url, queue_type):
+    common = dict(broker_url=rabbit.url, transport="amqp", store_url=pg_url,
+                  workers={"count": 2, "threads": 16}, queue={"prefetch": 16, "type": queue_type})
+    host_a = make_host("host-a", **common)
+    host_b = make_host("host-b", **common)
+    key = _key()
+    urls = [site.url(f"/fast/{key}-{i}") for i in range(TWO_HOST_TASKS)]
+
+    t0 = time.monotonic()
+    published = host_a.publish(urls)
+    assert published.returncode == 0, published.stdout + published.stderr
+    t_pub = time.monotonic() - t0
+
+    t1 = time.monotonic()
+    host_a.start()
+    host_b.start()
+    wait_until(lambda: host_a.finished() >= TWO_HOST_TASKS // 4, 90, interval=0.05,
+               what="a quarter done")
+    done_at_kill = host_a.finished()
+    killed = kill_host(host_a)
+    t_kill = time.monotonic() - t1
+    time.sleep(1.0)           # host B alone for a moment
+    host_a.start()            # the host comes back: same config, same run_dir
+    host_b.wait_finished(TWO_HOST_TASKS, timeout=150)
+    t_run = time.monotonic() - t1
+    time.sleep(1.0)           # let stray redeliveries be consumed (skipped as duplicates)
+    assert host_a.stop() == 0
+    assert host_b.stop() == 0
+
+    rc, rec = host_b.reconcile()
+    assert rc == 0 and rec["lost"] == [], rec
+    assert host_a.count("results") == TWO_HOST_TASKS
+    assert host_a.store.query("SELECT COUNT(*), COUNT(DISTINCT task_id) FROM results")[0] == \
+        (TWO_HOST_TASKS, TWO_HOST_TASKS)
+    assert host_a.count("dead") == 0
+    assert rabbit.queue_depth(_queue(host_a)) == 0
+
+    # Both hosts worked, and the restarted host A worked again after the kill.
+    by_worker = dict(host_a.store.query("SELECT worker, COUNT(*) FROM results GROUP BY worker"))
+    pids_a, pids_b = worker_pids_seen(host_a), worker_pids_seen(host_b)
+    done_a = sum(n for w, n in by_worker.items() if int(w.rsplit(":", 1)[1]) in pids_a)
+    done_b = sum(n for w, n in by_worker.items() if int(w.rsplit(":", 1)[1]) in pids_b)
+    after_restart = sum(n for w, n in by_worker.items()
+                        if int(w.rsplit(":", 1)[1]) in pids_a - set(killed))
+    assert done_a + done_b == TWO_HOST_TASKS
+    assert done_a > 0 and done_b > 0
+    dup_writes = host_a.store.query("SELECT COUNT(*) FROM results WHERE writes > 1")[0][0]
+    skipped = len(host_a.events("duplicate_skipped")) + len(host_b.events("duplicate_skipped"))
+    _log(f"two hosts ({queue_type}): publish {TWO_HOST_TASKS} in {t_pub:.1f}s; killed host A "
+         f"({len(killed)} processes) at {done_at_kill} done, {t_kill:.1f}s in; all done "
+         f"{t_run:.1f}s after start; host A {done_a} (after restart {after_restart}), host B "
+         f"{done_b}; rows stored twice {dup_writes}, redeliveries skipped as done {skipped}")
+
+
+def _queue(daemon: Crawld) -> str:
+    from crawld.config import load_config
+    return load_config(str(daemon.config_path)).queue.name
+
+
+# -- three-node NATS cluster, R3 stream -----------------------------------------------------
+@pytest.fixture
+def nats_cluster() -> Iterator[NatsCluster]:
+    cluster = NatsCluster(3)
+    try:
+        cluster.start_all()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def _worker_connections(cluster: NatsCluster) -> list[int]:
+    """crawld worker connections per node (from each running node's /connz page)."""
+    import urllib.request
+
+    out = []
+    for node in cluster.nodes:
+        count = 0
+        if node.running:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/connz?limit=1000",
+                                            timeout=2) as resp:
+                    conns = json.load(resp).get("connections") or []
+                count = sum(1 for c in conns if str(c.get("name", "")).startswith("crawld-worker"))
+            except (OSError, ValueError):
+                pass
+        out.append(count)
+    return out
+
+
+def _stream_info(cluster: NatsCluster) -> Any:
+    async def info() -> Any:
+        import nats
+
+        nc = await nats.connect([n.url for n in cluster.nodes if n.running], connect_timeout=2)
+        try:
+            return await nc.jetstream(timeout=5).stream_info(STREAM)
+        finally:
+            await nc.close()
+    return run_async(info())
+
+
+def _retrying(what: Callable[[], Any], attempts: int = 20, delay: float = 0.5) -> Any:
+    """Broker API calls right after a node died can time out or find no leader yet."""
+    for i in range(attempts):
+        try:
+            return what()
+        except Exception:   # nats errors, timeouts, "no responders" during an election
+            if i == attempts - 1:
+                raise
+            time.sleep(delay)
+
+
+def _roles(cluster: NatsCluster, consumer: str) -> dict[str, int | None]:
+    return {"meta": _retrying(cluster.meta_leader),
+            "stream": _retrying(lambda: cluster.stream_leader(STREAM)),
+            "consumer": _retrying(lambda: cluster.stream_leader(STREAM, consumer))}
+
+
+def _pick_victim(roles: dict[str, int | None], conns: list[int], which: str) -> int:
+    if which == "stream_leader":
+        assert roles["stream"] is not None
+        return roles["stream"]
+    # A node that leads neither the stream nor the consumer (meta too if possible),
+    # preferably one that crawld workers are connected to.
+    candidates = [i for i in range(3) if i not in (roles["stream"], roles["consumer"])] or \
+                 [i for i in range(3) if i != roles["stream"]]
+    return sorted(candidates, key=lambda i: (i == roles["meta"], -conns[i]))[0]
+
+
+NATS_TASKS = 1000
+
+
+@pytest.mark.parametrize("which", ["non_leader", "stream_leader"])
+def test_nats_cluster_r3_node_killed_midrun(make_host, nats_cluster, site, pg_url, which):
+    host = make_host("host-a", broker_url=nats_cluster.urls, transport="jetstream", store_url=pg_url,
+                     workers={"count": 2, "threads": 16},
+                     queue={"prefetch": 16, "replicas": 3, "ack_wait_s": 10})
+    key = _key()
+    published = host.publish([site.url(f"/slow/0.2/{key}-{i}") for i in range(NATS_TASKS)])
+    assert published.returncode == 0, published.stdout + published.stderr
+    info = _stream_info(nats_cluster)
+    assert info.config.num_replicas == 3 and len(info.cluster.replicas or []) == 2
+    assert info.state.messages == NATS_TASKS
+
+    t0 = time.monotonic()
+    host.start()
+    wait_until(lambda: host.finished() >= NATS_TASKS // 4, 90, interval=0.05, what="a quarter done")
+    queue = _queue(host)
+    roles = _roles(nats_cluster, queue)
+    conns = _worker_connections(nats_cluster)
+    victim = _pick_victim(roles, conns, which)
+    done_at_kill = host.finished()
+    nats_cluster.kill(victim)
+    t_kill = time.monotonic()
+
+    # Progress after the kill: the longest pause in completions shows the failover cost.
+    last, last_change, longest_stall = done_at_kill, t_kill, 0.0
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        now_done = host.finished()
+        now = time.monotonic()
+        if now_done != last:
+            longest_stall = max(longest_stall, now - last_change)
+            last, last_change = now_done, now
+        if now_done >= NATS_TASKS:
+            break
+        time.sleep(0.1)
+    t_done = time.monotonic()
+    assert host.finished() >= NATS_TASKS, f"only {host.finished()} of {NATS_TASKS} finished"
+    roles_after = _roles(nats_cluster, queue)
+    time.sleep(1.0)
+    assert host.stop() == 0
+
+    rc, rec = host.reconcile()
+    assert rc == 0 and rec["lost"] == [], rec
+    assert host.count("results") == NATS_TASKS and host.count("dead") == 0
+    assert host.store.query("SELECT COUNT(DISTINCT task_id) FROM results")[0][0] == NATS_TASKS
+    assert _retrying(lambda: _stream_info(nats_cluster)).state.messages == 0   # all acked
+    dup_writes = host.count("results", "writes > 1")
+    skipped = len(host.events("duplicate_skipped"))
+    reconnects = len(host.events("broker_reconnected"))
+    pull_failures = len(host.events("jetstream_pull_failed"))
+    _log(f"nats R3 kill {which}: roles before {roles} worker conns per node {conns}, killed "
+         f"node {victim} at {done_at_kill}/{NATS_TASKS} done ({t_kill - t0:.1f}s in); roles "
+         f"after {roles_after}; longest completion stall after kill {longest_stall:.1f}s; all "
+         f"done {t_done - t_kill:.1f}s after kill; worker reconnects {reconnects}, pull "
+         f"failures {pull_failures}, rows stored twice {dup_writes}, duplicates skipped {skipped}")
+
+
+# -- RabbitMQ quorum queue: delivery limit and dead-lettering --------------------------------
+def _dead_queue_messages(rabbit, queue: str, limit: int = 100) -> list[tuple[dict, bytes]]:
+    """Read (and requeue) what sits in ``<queue>.dead``: properties' headers and body."""
+    out = []
+    with rabbit.channel() as ch:
+        tags = []
+        for _ in range(limit):
+            method, props, body = ch.basic_get(dead_queue_name(queue), auto_ack=False)
+            if method is None:
+                break
+            out.append((dict(props.headers or {}), body))
+            tags.append(method.delivery_tag)
+        for tag in tags:
+            ch.basic_nack(tag, requeue=True)
+    return out
+
+
+@pytest.mark.parametrize("held", [1, 4], ids=["prefetch1", "prefetch4"])
+def test_quorum_poison_task_dead_lettered_by_worker_guard(make_host, rabbit, site, pg_url, held):
+    """A task that kills every worker it reaches: quorum's x-delivery-count reaches
+    queue.max_deliver and the next worker dead-letters it (store row + <queue>.dead)
+    without touching it again.
+
+    prefetch1: each worker holds one delivery, so a crash returns only the poison and
+    every other task completes. prefetch4: a crash also returns the innocent deliveries
+    the dying worker held, and they are counted too (x-delivery-count counts every
+    return); returned messages go back to the head of the queue, so the same innocents
+    tend to follow the poison into the next worker and reach the limit with it. They end
+    as ``redelivery_limit`` dead rows (nothing is lost; reconcile is clean) and a replay
+    completes them."""
+    host = make_host("host-a", broker_url=rabbit.url, transport="amqp", store_url=pg_url,
+                     env={"CRAWLD_TEST_FAULT": "poison"},
+                     workers={"count": 2, "threads": held, "backoff_max_s": 1},
+                     queue={"type": "quorum", "max_deliver": 2, "prefetch": held})
+    key = _key()
+    good = [site.url(f"/fast/{key}-{i}") for i in range(60)]
+    poison = site.url(f"/poison/{key}")
+    poison_id = new_task(poison).task_id
+    assert host.publish(good[:30] + [poison] + good[30:]).returncode == 0
+    queue = _queue(host)
+    args = _queue_arguments(rabbit, queue)
+    assert args.get("x-queue-type") == "quorum" and args.get("x-delivery-limit") == 4, args
+
+    host.start()
+    host.wait_finished(61, timeout=90)
+    wait_until(lambda: rabbit.queue_depth(queue) == 0, 30, what="work queue empty")
+    time.sleep(0.5)
+
+    dead = {r.task_id: r for r in host.store.list_dead(limit=1000)}
+    assert poison_id in dead and dead[poison_id].reason == "redelivery_limit", dead
+    assert {r.reason for r in dead.values()} == {"redelivery_limit"}
+    assert host.count("results") + len(dead) == 61
+    crashes = host.events("worker_died")
+    assert 1 <= len(crashes) <= 2, crashes    # x-delivery-count absent, 1: crash; 2: dead
+    in_dead_queue = _dead_queue_messages(rabbit, queue)
+    assert len(in_dead_queue) == len(dead)
+    poison_copy = [h for h, b in in_dead_queue if json.loads(b)["url"] == poison]
+    assert len(poison_copy) == 1
+    rc, rec = host.reconcile()
+    assert rc == 0 and rec["lost"] == []
+    collateral = sorted(t for t in dead if t != poison_id)
+    if held == 1:
+        assert collateral == [] and host.count("results") == 60
+    else:
+        assert len(collateral) <= 2 * (held - 1)
+        if collateral:      # the innocents are recoverable: replay them
+            replayed = host.cli("dlq", "replay", *collateral)
+            assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+            wait_until(lambda: host.count("results") == 60, 60, what="replayed tasks done")
+            assert host.count("dead") == 1
+    assert host.stop() == 0
+    _log(f"quorum poison (worker guard, prefetch {held}): {len(crashes)} worker crashes; poison "
+         f"dead row {dead[poison_id].reason!r} ({dead[poison_id].error}); innocent tasks "
+         f"dead-lettered with it: {len(collateral)}; dead-queue copy headers "
+         f"{sorted(poison_copy[0])}")
+
+
+def _queue_arguments(rabbit, queue: str) -> dict[str, Any]:
+    out = rabbit.ctl("list_queues", "-q", "--formatter", "json", "name", "arguments")
+    for row in json.loads(out.stdout):
+        if row["name"] == queue:
+            args = row["arguments"]       # 3.10: [[name, type, value], ...]
+            return dict(args) if isinstance(args, dict) else {a[0]: a[-1] for a in args}
+    raise AssertionError(f"queue {queue} not found")
+
+
+def test_quorum_delivery_limit_backstop_when_worker_dies_before_parsing(make_host, rabbit, site, pg_url):
+    """A consumer that dies before it can even look at the message (modelled by a plain
+    pika consumer that takes it and drops its connection without an ack): crawld's own
+    guard never runs, so the broker's x-delivery-limit (max_deliver + 2) dead-letters it to
+    <queue>.dead. There is no store row for it: reconcile names it as lost."""
+    host = make_host("host-a", broker_url=rabbit.url, transport="amqp", store_url=pg_url,
+                     queue={"type": "quorum", "max_deliver": 2})
+    url = site.url(f"/fast/{_key()}-pre-parse-crash")
+    task_id = new_task(url).task_id
+    assert host.publish([url]).returncode == 0
+    queue = _queue(host)
+    limit = _queue_arguments(rabbit, queue)["x-delivery-limit"]
+
+    seen: list[Any] = []                   # x-delivery-count per delivery (None: absent)
+    redelivered: list[bool] = []
+    for _ in range(limit + 5):             # bounded: the broker must give up before this
+        params = pika.URLParameters(rabbit.url)
+        conn = pika.BlockingConnection(params)
+        ch = conn.channel()
+        got = None
+        for _ in range(20):                # the return is asynchronous: wait up to ~2 s
+            method, props, _body = ch.basic_get(queue, auto_ack=False)
+            if method is not None:
+                got = (method, props)
+                break
+            if rabbit.queue_depth(dead_queue_name(queue)) > 0:
+                break
+            time.sleep(0.1)
+        if got is None:
+            conn.close()
+            break
+        seen.append((got[1].headers or {}).get("x-delivery-count"))
+        redelivered.append(bool(got[0].redelivered))
+        conn.close()                       # "crash": no ack, the broker takes it back
+    wait_until(lambda: rabbit.queue_depth(dead_queue_name(queue)) == 1, 10,
+               what="message dead-lettered by the broker")
+    assert rabbit.queue_depth(queue) == 0
+    assert len(seen) == limit + 1, seen    # delivered limit+1 times, then dead-lettered
+    headers, body = _dead_queue_messages(rabbit, queue)[0]
+    x_death = headers.get("x-death") or []
+    assert json.loads(body)["task_id"] == task_id
+    assert x_death and x_death[0].get("reason") == "delivery_limit", headers
+    assert host.store.list_dead(task_ids=[task_id]) == []
+    rc, rec = host.reconcile()
+    assert rc == 1 and rec["lost"] == [task_id]
+    _log(f"quorum backstop: x-delivery-limit={limit}; x-delivery-count per delivery {seen}; "
+         f"redelivered flags {redelivered}; dead-queue x-death "
+         f"{[{k: x.get(k) for k in ('reason', 'queue', 'count')} for x in x_death]}; "
+         f"x-delivery-count in dead copy {headers.get('x-delivery-count')}; reconcile lost "
+         f"{len(rec['lost'])}")
