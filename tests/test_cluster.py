@@ -437,3 +437,116 @@ def test_quorum_delivery_limit_backstop_when_worker_dies_before_parsing(make_hos
          f"{[{k: x.get(k) for k in ('reason', 'queue', 'count')} for x in x_death]}; "
          f"x-delivery-count in dead copy {headers.get('x-delivery-count')}; reconcile lost "
          f"{len(rec['lost'])}")
+
+
+# -- PostgreSQL store: what differs from SQLite ---------------------------------------------
+def _pg_store(url: str, tmp_path: Path) -> PostgresStore:
+    store = open_store(StoreConfig(url=url, body_dir=str(tmp_path / "bodies")))
+    assert isinstance(store, PostgresStore)
+    return store
+
+
+def _row(task_id: str, **kw: Any) -> ResultRow:
+    base = dict(task_id=task_id, url=f"http://h/{task_id}", final_url="", status="fetched",
+                http_status=200, reason="", content_type="text/html", bytes=3, body_sha256="",
+                attempts=1, fetched_at=time.time(), worker="w")
+    return ResultRow(**{**base, **kw})
+
+
+def test_postgres_64bit_columns_and_migration(postgres, tmp_path):
+    """SQLite's INTEGER is 64-bit; PostgreSQL's is not. A JetStream stream sequence past
+    2**31-1 must still store, and an existing INTEGER column is migrated on start."""
+    import psycopg
+
+    url = postgres.create_database(f"m{uuid.uuid4().hex[:10]}")
+    with psycopg.connect(url, autocommit=True) as conn:      # a table from an older crawld
+        conn.execute("CREATE TABLE results (task_id TEXT PRIMARY KEY, url TEXT NOT NULL, "
+                     "final_url TEXT NOT NULL DEFAULT '', status TEXT NOT NULL, http_status INTEGER, "
+                     "reason TEXT NOT NULL DEFAULT '', content_type TEXT NOT NULL DEFAULT '', "
+                     "bytes INTEGER NOT NULL DEFAULT 0, body_sha256 TEXT NOT NULL DEFAULT '', "
+                     "attempts INTEGER NOT NULL DEFAULT 1, fetched_at DOUBLE PRECISION NOT NULL, "
+                     "worker TEXT NOT NULL DEFAULT '', round TEXT NOT NULL DEFAULT '', "
+                     "source TEXT NOT NULL DEFAULT '', redirects INTEGER NOT NULL DEFAULT 0, "
+                     "enqueued_at DOUBLE PRECISION NOT NULL DEFAULT 0, stream_seq INTEGER, "
+                     "writes INTEGER NOT NULL DEFAULT 1)")
+        conn.execute("INSERT INTO results (task_id, url, status, fetched_at, stream_seq) "
+                     "VALUES ('old', 'http://h/old', 'fetched', 1, 7)")
+    store = _pg_store(url, tmp_path)
+    try:
+        types = dict(store.query("SELECT column_name, data_type FROM information_schema.columns "
+                                 "WHERE table_name = 'results' AND column_name IN ('stream_seq', 'bytes')"))
+        assert types == {"stream_seq": "bigint", "bytes": "bigint"}
+        assert store.get_result("old")["stream_seq"] == 7
+        store.put_result(_row("big", stream_seq=2**40, bytes=5 * 2**30))
+        got = store.get_result("big")
+        assert got["stream_seq"] == 2**40 and got["bytes"] == 5 * 2**30
+    finally:
+        store.close()
+
+
+def test_postgres_literal_percent_and_question_mark_in_sql(postgres, tmp_path):
+    store = _pg_store(postgres.create_database(f"q{uuid.uuid4().hex[:10]}"), tmp_path)
+    try:
+        store.put_result(_row("a", url="http://h/a?x=1"))
+        store.put_result(_row("b", url="http://h/b"))
+        assert store.query("SELECT COUNT(*) FROM results WHERE url LIKE '%?x=%'")[0][0] == 1
+        assert store.query("SELECT task_id FROM results WHERE url LIKE '%h/%' AND task_id = ? "
+                           "AND url <> 'it''s ?'", ("b",)) == [("b",)]
+    finally:
+        store.close()
+
+
+def _open_and_write(url: str, body_dir: str, n: int) -> None:
+    store = open_store(StoreConfig(url=url, body_dir=body_dir))
+    store.put_result(_row(f"r{n}"))
+    store.close()
+
+
+def test_postgres_schema_creation_races_between_processes(postgres, tmp_path):
+    """Several hosts starting at once against an empty database (advisory lock)."""
+    import multiprocessing
+
+    url = postgres.create_database(f"r{uuid.uuid4().hex[:10]}")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_open_and_write, args=(url, str(tmp_path / "b"), n)) for n in range(6)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 6
+    store = _pg_store(url, tmp_path)
+    try:
+        assert store.query("SELECT COUNT(*) FROM results")[0][0] == 6
+    finally:
+        store.close()
+
+
+def test_postgres_store_survives_server_restart(postgres, tmp_path):
+    """Pooled connections are checked before use: after a restart no write fails."""
+    store = _pg_store(postgres.create_database(f"s{uuid.uuid4().hex[:10]}"), tmp_path)
+    try:
+        import threading
+
+        def burst(prefix: str) -> None:      # open several pooled connections
+            threads = [threading.Thread(target=store.put_result, args=(_row(f"{prefix}{i}"),))
+                       for i in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        burst("before")
+        postgres.restart()
+        for i in range(20):
+            store.put_result(_row(f"after{i}"))
+        burst("again")
+        assert store.query("SELECT COUNT(*) FROM results")[0][0] == 32
+    finally:
+        store.close()
+
+
+def test_postgres_bad_url_fails_fast_with_the_servers_reason(postgres, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="does not exist"):
+        open_store(StoreConfig(url=postgres.url_for("no_such_db"), body_dir=str(tmp_path)))
+    assert time.monotonic() - t0 < 5

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import IO, Callable, Iterable
+from typing import IO, Callable, Iterable, Iterator
 
 from .config import Config
 from .logs import get_logger
@@ -37,9 +37,10 @@ class PublishSummary:
         return self.failed == 0
 
 
-def read_tasks(lines: Iterable[str], round_: str) -> tuple[list[Task], int]:
-    """Parse a publish file; bad lines are logged and counted, the rest go ahead."""
-    tasks: dict[str, Task] = {}
+def read_tasks(lines: Iterable[str], round_: str, chunk: int = BATCH) -> Iterator[tuple[list[Task], int]]:
+    """Parse a publish file in chunks: (tasks, invalid lines) per chunk. Bad lines are
+    logged and counted; the rest go ahead. Memory stays flat for any file size."""
+    tasks: list[Task] = []
     invalid = 0
     for number, line in enumerate(lines, 1):
         try:
@@ -49,16 +50,21 @@ def read_tasks(lines: Iterable[str], round_: str) -> tuple[list[Task], int]:
             log.warning("publish_line_invalid", line=number, reason=exc.reason, error=exc.detail)
             continue
         if task is not None:
-            tasks.setdefault(task.task_id, task)
-    return list(tasks.values()), invalid
+            tasks.append(task)
+        if len(tasks) >= chunk:
+            yield tasks, invalid
+            tasks, invalid = [], 0
+    yield tasks, invalid
 
 
 def publish_file(cfg: Config, store: Store, stream: IO[str], round_: str,
                  progress: Callable[[int, int], None] | None = None,
                  declare: bool = True) -> PublishSummary:
-    tasks, invalid = read_tasks(stream, round_)
-    summary = PublishSummary(read=len(tasks), invalid=invalid)
-    summary.new = store.outbox_add(tasks)
+    summary = PublishSummary()
+    for tasks, invalid in read_tasks(stream, round_):
+        summary.read += len(tasks)
+        summary.invalid += invalid
+        summary.new += store.outbox_add(tasks)     # an id already in the outbox is not new
     report = publish_unconfirmed(cfg, store, progress, declare)
     summary.published = len(report.confirmed) + len(report.failed)
     summary.confirmed = len(report.confirmed)
@@ -70,22 +76,23 @@ def publish_file(cfg: Config, store: Store, stream: IO[str], round_: str,
 def publish_unconfirmed(cfg: Config, store: Store,
                         progress: Callable[[int, int], None] | None = None,
                         declare: bool = True) -> PublishReport:
-    """Publish every outbox row still ``new`` (this run's and earlier runs' leftovers)."""
-    pending = store.outbox_unconfirmed()
-    total = len(pending)
+    """Publish every outbox row still ``new`` (this run's and earlier runs' leftovers),
+    a page at a time; a row that fails stays ``new`` for the next run."""
+    total = store.outbox_count("new")
     report = PublishReport()
-    if not pending:
-        return PublishReport()
+    if not total:
+        return report
     with make_publisher(cfg, **({} if declare else {"declare": False})) as publisher:
-        for start in range(0, total, BATCH):
-            batch = pending[start:start + BATCH]
-            offset = start
+        after = ""
+        while page := store.outbox_unconfirmed(limit=BATCH, after=after):
+            after = page[-1].task_id
+            offset = len(report.confirmed) + len(report.failed)
 
             def _progress(done: int, _n: int, offset: int = offset) -> None:
                 if progress:
                     progress(offset + done, total)
 
-            part = publisher.publish(batch, _progress)
+            part = publisher.publish(page, _progress)
             store.outbox_mark_confirmed(part.confirmed)
             store.outbox_mark_failed(part.failed)
             report.merge(part)

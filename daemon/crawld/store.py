@@ -174,13 +174,16 @@ class Store:
             [(t.task_id, t.url, t.round, t.source, now) for t in tasks])
         return self.outbox_count() - before
 
-    def outbox_count(self) -> int:
-        return self._exec("SELECT COUNT(*) FROM outbox")[0][0]
+    def outbox_count(self, state: str | None = None) -> int:
+        if state is None:
+            return self._exec("SELECT COUNT(*) FROM outbox")[0][0]
+        return self._exec("SELECT COUNT(*) FROM outbox WHERE state = ?", (state,))[0][0]
 
-    def outbox_unconfirmed(self, limit: int = 1_000_000) -> list[Task]:
+    def outbox_unconfirmed(self, limit: int = 1_000_000, after: str = "") -> list[Task]:
+        """Rows still ``new``, in task id order after ``after`` (keyset paging)."""
         rows = self._exec(
             "SELECT task_id, url, round, source, created_at FROM outbox WHERE state = 'new' "
-            "ORDER BY created_at, task_id LIMIT ?", (limit,))
+            "AND task_id > ? ORDER BY task_id LIMIT ?", (after, limit))
         return [Task(task_id=r[0], url=r[1], round=r[2], source=r[3], enqueued_at=time.time())
                 for r in rows]
 
