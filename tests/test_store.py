@@ -119,3 +119,28 @@ def test_several_processes_write_at_once(store, tmp_path):
     assert [p.exitcode for p in procs] == [0, 0, 0, 0]
     assert store.query("SELECT COUNT(*) FROM results")[0][0] == 100
     assert store.query("SELECT SUM(writes) FROM results")[0][0] == 400
+
+
+def test_group_commit_is_durable_per_caller_and_isolates_errors(store):
+    store.enable_group_commit(max_batch=64)
+    errors = []
+
+    def writer(n: int) -> None:
+        for i in range(40):
+            store.put_result(_result(f"g{n}-{i}"))
+            # Each caller's row is committed when put_result returns: a fresh read sees it.
+            assert store.has_result(f"g{n}-{i}")
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.query("SELECT COUNT(*) FROM results")[0][0] == 320
+    bad = _result("bad")
+    bad.url = None                     # NOT NULL violation: only this caller fails
+    with pytest.raises(Exception):
+        store.put_result(bad)
+    store.put_result(_result("after-bad"))
+    assert store.has_result("after-bad") and not store.has_result("bad")
+    assert errors == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import sqlite3
 import tempfile
 import threading
@@ -115,6 +116,7 @@ class Store:
 
     def __init__(self, body_dir: str) -> None:
         self.body_dir = Path(body_dir)
+        self._group: GroupCommit | None = None
 
     # -- plumbing -----------------------------------------------------------------
     @contextmanager
@@ -129,6 +131,19 @@ class Store:
             cur.execute(self._sql(sql), params)
             return cur.fetchall() if cur.description else []
 
+    def _write(self, sql: str, params: Sequence[Any]) -> None:
+        """An outcome write: durable when this returns (through the group committer if on)."""
+        if self._group is not None:
+            self._group.submit(self._sql(sql), params)
+        else:
+            self._exec(sql, params)
+
+    def enable_group_commit(self, max_batch: int = 256) -> None:
+        """Many threads' outcome writes share one transaction and one fsync. Each caller
+        still returns only after its own row is committed, so ack-after-store holds."""
+        if self._group is None:
+            self._group = GroupCommit(self, max_batch)
+
     def _exec_many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         with self._tx() as cur:
             cur.executemany(self._sql(sql), list(rows))
@@ -139,7 +154,12 @@ class Store:
                 cur.execute(stmt)
 
     def close(self) -> None:
-        pass
+        self._close_group()
+
+    def _close_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
 
     # -- bodies -------------------------------------------------------------------
     def save_body(self, body: bytes) -> str:
@@ -205,7 +225,7 @@ class Store:
         return bool(self._exec("SELECT 1 FROM results WHERE task_id = ?", (task_id,)))
 
     def put_result(self, row: ResultRow) -> None:
-        self._exec(RESULT_UPSERT, [getattr(row, c) for c in RESULT_COLUMNS])
+        self._write(RESULT_UPSERT, [getattr(row, c) for c in RESULT_COLUMNS])
 
     def get_result(self, task_id: str) -> dict[str, Any] | None:
         rows = self._exec(f"SELECT {', '.join(RESULT_COLUMNS)}, writes FROM results WHERE task_id = ?",
@@ -222,7 +242,7 @@ class Store:
 
     def put_dead(self, row: DeadRow) -> None:
         cols = [c for c in DEAD_COLUMNS if c != "replays"]
-        self._exec(DEAD_UPSERT, [getattr(row, c) for c in cols])
+        self._write(DEAD_UPSERT, [getattr(row, c) for c in cols])
 
     def bump_redelivery(self, task_id: str, delta: int = 1) -> int:
         """Count crash redeliveries of one task (classic AMQP queues keep no counter).
@@ -360,6 +380,7 @@ class SQLiteStore(Store):
             cur.close()
 
     def close(self) -> None:
+        self._close_group()
         with self._lock:
             for conn in self._all:
                 with _suppress():
@@ -466,7 +487,76 @@ class PostgresStore(Store):
                     cur.execute(f"ALTER TABLE {table} ALTER COLUMN {col} TYPE BIGINT")
 
     def close(self) -> None:
+        self._close_group()
         self.pool.close()
+
+
+class GroupCommit:
+    """One writer thread commits the queued statements of many threads together.
+
+    If a batch fails, each statement is retried in its own transaction so one bad
+    row cannot fail its neighbours; the caller sees only its own error.
+    """
+
+    def __init__(self, store: Store, max_batch: int) -> None:
+        self.store = store
+        self.max_batch = max_batch
+        self.queue: queue.Queue[_Pending | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="group-commit", daemon=True)
+        self.thread.start()
+
+    def submit(self, sql: str, params: Sequence[Any]) -> None:
+        pending = _Pending(sql, params)
+        self.queue.put(pending)
+        pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(10)
+
+    def _run(self) -> None:
+        while True:
+            first = self.queue.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < self.max_batch:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.queue.put(None)      # finish this batch, then stop
+                    break
+                batch.append(item)
+            self._commit(batch)
+
+    def _commit(self, batch: list["_Pending"]) -> None:
+        try:
+            with self.store._tx() as cur:
+                for item in batch:
+                    cur.execute(item.sql, item.params)
+        except Exception:
+            for item in batch:
+                try:
+                    with self.store._tx() as cur:
+                        cur.execute(item.sql, item.params)
+                except Exception as exc:
+                    item.error = exc
+        for item in batch:
+            item.done.set()
+
+
+class _Pending:
+    __slots__ = ("sql", "params", "done", "error")
+
+    def __init__(self, sql: str, params: Sequence[Any]) -> None:
+        self.sql = sql
+        self.params = params
+        self.done = threading.Event()
+        self.error: BaseException | None = None
 
 
 def open_store(cfg: StoreConfig, pool_size: int = 8) -> Store:

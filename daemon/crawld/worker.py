@@ -432,6 +432,7 @@ def run_worker(cfg: Config) -> int:
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     try:
         store = open_store(cfg.store, pool_size=cfg.workers.threads + 2)
+        store.enable_group_commit()
     except Exception as exc:
         log.error("worker_boot_failed", reason="store", error=repr(exc))
         return EXIT_BOOT_ERROR
