@@ -93,6 +93,11 @@ class Worker:
         self.transport.set_stop_check(lambda: self._stop)
         log.info("worker_starting", worker=self.worker_id, transport=self.transport.name,
                  threads=self.cfg.workers.threads, prefetch=self.cfg.queue.prefetch)
+        if self.cfg.queue.prefetch > self.cfg.workers.threads:
+            # Celery's ETA lesson: hoarded deliveries age against the broker's ack deadline
+            # and all come back at once when this worker dies.
+            log.warning("prefetch_exceeds_threads", prefetch=self.cfg.queue.prefetch,
+                        threads=self.cfg.workers.threads)
         self._fault("boot")
         self._set_state("connecting")
         self.transport.connect()
