@@ -117,3 +117,29 @@ def crawld_env(request: pytest.FixtureRequest, tmp_path: Path, tmp_store: StoreP
                            filename=filename, **sections)
 
     return build
+
+
+@pytest.fixture
+def make_crawld(crawld_env: Callable[..., Path]) -> Iterator[Callable[..., Any]]:
+    """Factory of ``Crawld`` installations (a config file each) for end-to-end tests.
+
+    ``make_crawld("jetstream", env={...}, broker_url=..., workers={...}, queue={...})``:
+    JSON logs, loopback allowed, politeness loose enough not to serialise the local
+    site, a 20 s drain. Every supervisor started is killed at teardown.
+    """
+    from crawld_proc import Crawld
+    made: list[Crawld] = []
+
+    def build(transport: str = "amqp", env: dict[str, str] | None = None,
+              broker_url: str | None = None, **sections: dict[str, Any]) -> Crawld:
+        sections.setdefault("log", {"format": "json"})
+        sections["fetch"] = {"per_host_concurrency": 64, "allow_networks": ["127.0.0.0/8"],
+                             **sections.get("fetch", {})}
+        sections["workers"] = {"drain_timeout_s": 20, **sections.get("workers", {})}
+        daemon = Crawld(crawld_env(transport=transport, broker_url=broker_url, **sections), env=env)
+        made.append(daemon)
+        return daemon
+
+    yield build
+    for daemon in made:
+        daemon.close()

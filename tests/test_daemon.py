@@ -16,23 +16,6 @@ def _key() -> str:
     return uuid.uuid4().hex[:8]
 
 
-@pytest.fixture
-def make_crawld(crawld_env, request):
-    made: list[Crawld] = []
-
-    def build(transport: str = "amqp", **sections) -> Crawld:
-        sections.setdefault("log", {"format": "json"})
-        sections["fetch"] = {"per_host_concurrency": 64, "allow_networks": ["127.0.0.0/8"],
-                             **sections.get("fetch", {})}
-        sections["workers"] = {"drain_timeout_s": 20, **sections.get("workers", {})}
-        daemon = Crawld(crawld_env(transport=transport, **sections))
-        made.append(daemon)
-        return daemon
-
-    yield build
-    for daemon in made:
-        daemon.close()
-
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_500_urls_three_workers_all_stored(make_crawld, site, transport):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 
@@ -18,23 +17,6 @@ from crawld.task import new_task
 def _key() -> str:
     return uuid.uuid4().hex[:8]
 
-
-@pytest.fixture
-def make_crawld(crawld_env):
-    made: list[Crawld] = []
-
-    def build(transport: str = "amqp", env: dict | None = None, **sections) -> Crawld:
-        sections.setdefault("log", {"format": "json"})
-        sections["fetch"] = {"per_host_concurrency": 64, "allow_networks": ["127.0.0.0/8"],
-                             **sections.get("fetch", {})}
-        sections["workers"] = {"drain_timeout_s": 20, **sections.get("workers", {})}
-        daemon = Crawld(crawld_env(transport=transport, **sections), env=env)
-        made.append(daemon)
-        return daemon
-
-    yield build
-    for daemon in made:
-        daemon.close()
 
 
 def queue_of(daemon: Crawld) -> str:

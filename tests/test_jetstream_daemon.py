@@ -25,23 +25,13 @@ def js_server():
     server.close()
 
 
+
 @pytest.fixture
-def make_crawld(crawld_env, js_server):
-    made: list[Crawld] = []
-
+def make_crawld(make_crawld, js_server):
     def build(env: dict | None = None, **sections) -> Crawld:
-        sections.setdefault("log", {"format": "json"})
-        sections["fetch"] = {"per_host_concurrency": 64, "allow_networks": ["127.0.0.0/8"],
-                             **sections.get("fetch", {})}
-        sections["workers"] = {"drain_timeout_s": 20, **sections.get("workers", {})}
         sections["broker"] = {"reconnect_max_s": 1, **sections.get("broker", {})}
-        daemon = Crawld(crawld_env(transport="jetstream", broker_url=js_server.url, **sections), env=env)
-        made.append(daemon)
-        return daemon
-
-    yield build
-    for daemon in made:
-        daemon.close()
+        return make_crawld("jetstream", env=env, broker_url=js_server.url, **sections)
+    return build
 
 
 async def _dead_messages(url: str) -> list:

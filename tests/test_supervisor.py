@@ -3,7 +3,6 @@ pid file, status and the metrics endpoint. Real processes, real signals, real Ra
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import time
@@ -19,23 +18,15 @@ def _key() -> str:
     return uuid.uuid4().hex[:8]
 
 
+
 @pytest.fixture
-def make_crawld(crawld_env):
-    made: list[Crawld] = []
-
+def make_crawld(make_crawld):
+    """Small workers (4 threads, prefetch 4) so resizing is visible under modest load."""
     def build(transport: str = "amqp", env: dict | None = None, **sections) -> Crawld:
-        sections.setdefault("log", {"format": "json"})
-        sections["fetch"] = {"per_host_concurrency": 64, "allow_networks": ["127.0.0.0/8"],
-                             **sections.get("fetch", {})}
-        sections["workers"] = {"drain_timeout_s": 20, "threads": 4, **sections.get("workers", {})}
+        sections["workers"] = {"threads": 4, **sections.get("workers", {})}
         sections["queue"] = {"prefetch": 4, **sections.get("queue", {})}
-        daemon = Crawld(crawld_env(transport=transport, **sections), env=env)
-        made.append(daemon)
-        return daemon
-
-    yield build
-    for daemon in made:
-        daemon.close()
+        return make_crawld(transport, env=env, **sections)
+    return build
 
 
 def set_count(daemon: Crawld, count: int) -> None:

@@ -76,7 +76,6 @@ DEAD_MAX_BYTES = 1 << 30
 
 API_TIMEOUT_S = 5.0          # JetStream API requests and dead-letter PubAcks
 FETCH_EXPIRY_S = 1.0         # short pull requests: a restarted server is noticed within ~1 s
-FETCH_HEARTBEAT_S = 0.25     # server idle heartbeats inside a pull (must be < expiry / 2)
 MAX_FETCH_BATCH = 256
 DEAD_RETRY_DELAY_S = 5.0     # nak delay when the dead-letter publish failed
 RECONNECT_BASE_S = 0.1       # first reconnect delay ceiling; doubles per failed attempt
@@ -482,8 +481,11 @@ class JetStreamTransport(Transport):
         # waits for that before naking, or the naked messages would come straight back to us.
         self._pull_deadline = time.monotonic() + FETCH_EXPIRY_S + 0.05
         try:
-            msgs = await self._psub.fetch(min(slots, MAX_FETCH_BATCH), timeout=FETCH_EXPIRY_S,
-                                          heartbeat=FETCH_HEARTBEAT_S)
+            # No idle heartbeat: nats-py 2.16 drops `expires` from a pull when leftovers
+            # were already queued but keeps the heartbeat, and the server answers "400
+            # heartbeat value too large" -- messages in that pull then wait out AckWait.
+            # A 1 s pull notices a restarted server just as well.
+            msgs = await self._psub.fetch(min(slots, MAX_FETCH_BATCH), timeout=FETCH_EXPIRY_S)
         except asyncio.TimeoutError:   # nats TimeoutError/FetchTimeoutError: empty queue, normal
             return
         # nats-py may hand back messages left over from an earlier pull: never exceed the slots.
