@@ -200,3 +200,17 @@ def test_worker_that_cannot_boot_stops_the_supervisor_at_once(make_crawld, rabbi
     failed = daemon.events("worker_boot_failed")
     assert failed and failed[0]["reason"] == "topology" and "PRECONDITION_FAILED" in failed[0]["error"]
     assert "failed to boot" in daemon.log_path.read_text()
+
+
+def test_quit_during_graceful_drain_escalates(make_crawld, site):
+    daemon = make_crawld("amqp", workers={"count": 1, "threads": 2, "drain_timeout_s": 60})
+    key = _key()
+    assert daemon.publish([site.url(f"/slow/20/{key}-{i}") for i in range(2)]).returncode == 0
+    daemon.start()
+    wait_until(lambda: site.total_hits(f"/slow/20/{key}") >= 2, 30, what="fetches in flight")
+    daemon.send(signal.SIGTERM)
+    time.sleep(1)
+    assert daemon.proc.poll() is None, "still draining the 20 s fetches"
+    started = time.monotonic()
+    assert daemon.stop(signal.SIGQUIT, timeout=30) == 0
+    assert time.monotonic() - started < 8

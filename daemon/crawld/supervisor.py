@@ -340,6 +340,11 @@ class Supervisor:
             _kill(child.pid, sig)
         deadline = time.monotonic() + wait_s
         while self.children and time.monotonic() < deadline:
+            if sig == signal.SIGTERM and self._escalated():
+                sig, deadline = signal.SIGQUIT, min(deadline, time.monotonic() + 5.0)
+                log.info("supervisor_fast_stop", workers=len(self.children), during="drain")
+                for child in self.children.values():
+                    _kill(child.pid, sig)
             self._reap()
             self._write_state()
             self._sleep(0.1)
@@ -350,6 +355,11 @@ class Supervisor:
             self._reap()
             time.sleep(0.05)
         log.info("supervisor_stopped", spawned=self.spawned)
+
+    def _escalated(self) -> bool:
+        """QUIT, or a second INT (Ctrl-C twice), during a graceful drain means: now."""
+        pending, self.signals = self.signals, []
+        return any(sig in (signal.SIGQUIT, signal.SIGINT) for sig in pending)
 
     def _cleanup(self) -> None:
         if self.cfg.workers.pid_file:
