@@ -132,6 +132,7 @@ def test_two_hosts_one_postgres_host_killed_midrun(make_host, rabbit, site, pg_u
                what="a quarter done")
     done_at_kill = host_a.finished()
     killed = kill_host(host_a)
+    assert done_at_kill < TWO_HOST_TASKS * 0.75, "the kill must land mid-run"
     t_kill = time.monotonic() - t1
     time.sleep(1.0)           # host B alone for a moment
     host_a.start()            # the host comes back: same config, same run_dir
@@ -169,6 +170,26 @@ def test_two_hosts_one_postgres_host_killed_midrun(make_host, rabbit, site, pg_u
 def _queue(daemon: Crawld) -> str:
     from crawld.config import load_config
     return load_config(str(daemon.config_path)).queue.name
+
+
+def test_politeness_is_per_host_not_cluster_wide(make_host, rabbit, site, pg_url):
+    """fetch.per_host_concurrency is enforced through lock files in each host's run_dir:
+    two hosts with a limit of 2 may hit one site with up to 4 requests at once, never more."""
+    common = dict(broker_url=rabbit.url, transport="amqp", store_url=pg_url,
+                  workers={"count": 2, "threads": 4}, queue={"prefetch": 4},
+                  fetch={"per_host_concurrency": 2, "allow_networks": ["127.0.0.0/8"]})
+    host_a = make_host("host-a", **common)
+    host_b = make_host("host-b", **common)
+    key = _key()
+    assert host_a.publish([site.url(f"/slow/0.3/{key}-{i}") for i in range(40)]).returncode == 0
+    host_a.start()
+    host_b.start()
+    host_a.wait_finished(40, timeout=60)
+    assert host_a.stop() == 0 and host_b.stop() == 0
+    peak = site.max_concurrent(f"/slow/0.3/{key}")
+    assert 2 < peak <= 4, peak
+    assert host_a.count("results") == 40
+    _log(f"politeness: per_host_concurrency 2 on each of two hosts -> site peak {peak}")
 
 
 # -- three-node NATS cluster, R3 stream -----------------------------------------------------
@@ -282,23 +303,33 @@ def test_nats_cluster_r3_node_killed_midrun(make_host, nats_cluster, site, pg_ur
     t_done = time.monotonic()
     assert host.finished() >= NATS_TASKS, f"only {host.finished()} of {NATS_TASKS} finished"
     roles_after = _roles(nats_cluster, queue)
-    time.sleep(1.0)
+    # A stored task whose ack died with the leader is still in the WorkQueue stream: it
+    # comes back after AckWait, is recognised by task id and acked without a fetch.
+    t_stored = time.monotonic()
+    wait_until(lambda: _retrying(lambda: _stream_info(nats_cluster)).state.messages == 0,
+               60, interval=0.5, what="every message acked (stream empty)")
+    t_empty = time.monotonic() - t_stored
+    # `crawld status` with the comma-separated URL list, one node down.
+    status = host.cli("status", "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert json.loads(status.stdout)["broker"].get("depth") == 0
     assert host.stop() == 0
 
     rc, rec = host.reconcile()
     assert rc == 0 and rec["lost"] == [], rec
     assert host.count("results") == NATS_TASKS and host.count("dead") == 0
     assert host.store.query("SELECT COUNT(DISTINCT task_id) FROM results")[0][0] == NATS_TASKS
-    assert _retrying(lambda: _stream_info(nats_cluster)).state.messages == 0   # all acked
     dup_writes = host.count("results", "writes > 1")
     skipped = len(host.events("duplicate_skipped"))
     reconnects = len(host.events("broker_reconnected"))
     pull_failures = len(host.events("jetstream_pull_failed"))
-    _log(f"nats R3 kill {which}: roles before {roles} worker conns per node {conns}, killed "
+    acks_failed = len(host.events("settle_failed"))
+    _log(f"nats R3 kill {which}: roles before {roles}, worker conns per node {conns}, killed "
          f"node {victim} at {done_at_kill}/{NATS_TASKS} done ({t_kill - t0:.1f}s in); roles "
          f"after {roles_after}; longest completion stall after kill {longest_stall:.1f}s; all "
-         f"done {t_done - t_kill:.1f}s after kill; worker reconnects {reconnects}, pull "
-         f"failures {pull_failures}, rows stored twice {dup_writes}, duplicates skipped {skipped}")
+         f"stored {t_done - t_kill:.1f}s after kill, stream empty {t_empty:.1f}s later; worker "
+         f"reconnects {reconnects}, pull failures {pull_failures}, acks failed {acks_failed}, "
+         f"rows stored twice {dup_writes}, duplicates skipped {skipped}")
 
 
 # -- RabbitMQ quorum queue: delivery limit and dead-lettering --------------------------------

@@ -389,6 +389,10 @@ class SQLiteStore(Store):
         self._local = threading.local()
 
 
+PG_PERMANENT_ERRORS = ("does not exist", "authentication failed", "no pg_hba.conf entry",
+                       "password", "permission denied", "invalid connection option")
+
+
 class PostgresStore(Store):
     """psycopg 3 with a small pool; the same statements as SQLite.
 
@@ -438,10 +442,13 @@ class PostgresStore(Store):
                 psycopg.connect(url, connect_timeout=max(2, min(10, int(wait_s)))).close()
                 return
             except psycopg.OperationalError as exc:
-                # sqlstate set: the server answered (bad password, no such database...):
-                # waiting will not help. None: not reachable (yet).
-                if exc.sqlstate is not None or time.monotonic() + delay > deadline:
-                    raise RuntimeError(" ".join(str(exc).split())) from None
+                # The server refused us for good (no such database/role, bad password,
+                # pg_hba): waiting will not help. Anything else (refused, timeout, "the
+                # database system is starting up", too many clients) may pass: retry.
+                # (Connection-phase errors carry no sqlstate, hence the message match.)
+                message = " ".join(str(exc).split())
+                if any(p in message for p in PG_PERMANENT_ERRORS) or time.monotonic() + delay > deadline:
+                    raise RuntimeError(message) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

@@ -149,10 +149,13 @@ def http_loop(args: argparse.Namespace) -> dict:
 
 def store_loop(args: argparse.Namespace) -> dict:
     """The store calls a crawld worker makes per task (has_result, save_body, put_result),
-    from ``threads`` threads of one process: the store's own ceiling."""
+    from ``threads`` threads of one process, group commit on if the store has it (as the
+    worker): the store's own ceiling."""
     from crawld.store import ResultRow, SQLiteStore
     store = SQLiteStore(args.db, args.body_dir)
     store.init_schema()
+    if hasattr(store, "enable_group_commit"):
+        store.enable_group_commit()           # as run_worker does
     lock = threading.Lock()
     issued = [0]
     deadline = time.monotonic() + args.max_seconds
@@ -196,6 +199,8 @@ def baseline(args: argparse.Namespace) -> dict:
 
     store = SQLiteStore(args.db, args.body_dir)
     store.init_schema()
+    if args.group_commit and hasattr(store, "enable_group_commit"):
+        store.enable_group_commit()
     fetcher = Fetcher(FetchConfig(allow_networks=("127.0.0.0/8",), per_host_concurrency=256),
                       pool_size=args.threads, run_dir=args.run_dir)
     conn = pika.BlockingConnection(pika.URLParameters(args.url))
@@ -239,8 +244,14 @@ def baseline(args: argparse.Namespace) -> dict:
     ch.basic_consume(args.queue, on_message)
     started = time.time()
     deadline = time.monotonic() + args.max_seconds
+    import sqlite3
+    reader = sqlite3.connect(f"file:{args.db}?mode=ro", uri=True, timeout=5)
     while time.monotonic() < deadline and state["done"] < args.expect:
         conn.process_data_events(time_limit=0.1)
+        # Several processes may share the queue and the store: stop when the store is full.
+        if args.expect_total and reader.execute("SELECT COUNT(*) FROM results").fetchone()[0] >= args.expect_total:
+            break
+    reader.close()
     conn.process_data_events(time_limit=0.2)
     pool.shutdown(wait=False, cancel_futures=True)
     conn.close()
@@ -290,6 +301,8 @@ def main() -> int:
     p.add_argument("--prefetch", type=int, default=16)
     p.add_argument("--sleep-retry", type=float, default=1.0)
     p.add_argument("--max-attempts", type=int, default=5)
+    p.add_argument("--expect-total", type=int, default=0, help="stop when the shared store has this many results")
+    p.add_argument("--group-commit", action="store_true", help="use the store's group commit, as crawld does")
     p.add_argument("--max-seconds", type=float, default=300)
     for name in ("amqp-consume", "nats-pull", "baseline", "http-loop", "store-loop"):
         sub.choices[name].add_argument("--wait-go", action="store_true",
