@@ -436,7 +436,8 @@ def run_worker(cfg: Config) -> int:
     from .transports import make_transport
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     try:
-        store = open_store(cfg.store, pool_size=cfg.workers.threads + 2)
+        # Writes go through one group-commit thread; the pool serves has_result() reads.
+        store = open_store(cfg.store, pool_size=min(cfg.workers.threads + 2, 6))
         store.enable_group_commit()
     except Exception as exc:
         log.error("worker_boot_failed", reason="store", error=repr(exc))
