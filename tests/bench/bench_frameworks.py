@@ -113,7 +113,10 @@ def measure(env: Env, quick: bool, section: Section) -> None:
         section.data[f"crawld_{procs}"] = rates.get(("crawld", procs))
     section.notes.append("Celery uses its thread pool (-P threads), the closest match to crawld's "
                          "worker threads; the task body is bench_task.py (same code as crawld's fetch "
-                         "and store). Celery acks_late=True, worker_prefetch_multiplier=1.")
+                         "and store). Celery acks_late=True, worker_prefetch_multiplier=1. crawld's workers "
+                         "turn on the store's group commit (one transaction and fsync for many threads' "
+                         "rows); the Celery and Dramatiq task bodies commit row by row, as a task written "
+                         "for them would.")
 
 
 def run(env: Env, quick: bool, ctx: dict[str, Section] | None = None) -> Section:

@@ -68,8 +68,10 @@ class Table:
         return "\n".join(out)
 
     def markdown(self) -> str:
+        text_cols = {i for i in range(len(self.headers))
+                     if i == 0 or all(isinstance(r[i], str) for r in self.rows)}
         out = [f"**{self.title}**", "", "| " + " | ".join(self.headers) + " |",
-               "|" + "|".join("---" if i == 0 else "---:" for i in range(len(self.headers))) + "|"]
+               "|" + "|".join("---" if i in text_cols else "---:" for i in range(len(self.headers))) + "|"]
         out += ["| " + " | ".join(r) + " |" for r in self._cells()]
         return "\n".join(out)
 
@@ -322,6 +324,16 @@ def descendants(pid: int) -> list[int]:
         found += kids
         frontier = kids
     return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process (0 if it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields_ = stat[stat.rindex(")") + 2:].split()
+    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_kib(pid: int) -> dict[str, int]:

@@ -112,8 +112,9 @@ def http_loop(args: argparse.Namespace) -> dict:
 
         from crawld.config import FetchConfig
         from crawld.fetch import Fetcher
+        run_dir = tempfile.TemporaryDirectory(prefix="crawld-bench-http-")   # removed at exit
         fetcher = Fetcher(FetchConfig(allow_networks=("127.0.0.0/8",), per_host_concurrency=256),
-                          pool_size=args.threads, run_dir=tempfile.mkdtemp(prefix="crawld-bench-http-"))
+                          pool_size=args.threads, run_dir=run_dir.name)
         get = lambda url: fetcher.fetch(url).http_status   # noqa: E731
     else:
         import urllib3
