@@ -117,6 +117,7 @@ class Store:
     def __init__(self, body_dir: str) -> None:
         self.body_dir = Path(body_dir)
         self._group: GroupCommit | None = None
+        self._body_dirs: set[Path] = set()      # created already: skip the mkdir syscalls
 
     # -- plumbing -----------------------------------------------------------------
     @contextmanager
@@ -130,6 +131,10 @@ class Store:
         with self._tx() as cur:
             cur.execute(self._sql(sql), params)
             return cur.fetchall() if cur.description else []
+
+    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        """A read-only statement (SQLite overrides it to skip the write lock)."""
+        return self._exec(sql, params)
 
     def _write(self, sql: str, params: Sequence[Any]) -> None:
         """An outcome write: durable when this returns (through the group committer if on)."""
@@ -168,7 +173,9 @@ class Store:
         path = self.body_path(digest)
         if path.exists():
             return digest
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent not in self._body_dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._body_dirs.add(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as fh:
@@ -196,12 +203,12 @@ class Store:
 
     def outbox_count(self, state: str | None = None) -> int:
         if state is None:
-            return self._exec("SELECT COUNT(*) FROM outbox")[0][0]
-        return self._exec("SELECT COUNT(*) FROM outbox WHERE state = ?", (state,))[0][0]
+            return self._read("SELECT COUNT(*) FROM outbox")[0][0]
+        return self._read("SELECT COUNT(*) FROM outbox WHERE state = ?", (state,))[0][0]
 
     def outbox_unconfirmed(self, limit: int = 1_000_000, after: str = "") -> list[Task]:
         """Rows still ``new``, in task id order after ``after`` (keyset paging)."""
-        rows = self._exec(
+        rows = self._read(
             "SELECT task_id, url, round, source, created_at FROM outbox WHERE state = 'new' "
             "AND task_id > ? ORDER BY task_id LIMIT ?", (after, limit))
         return [Task(task_id=r[0], url=r[1], round=r[2], source=r[3], enqueued_at=time.time())
@@ -222,13 +229,13 @@ class Store:
 
     # -- outcomes -----------------------------------------------------------------
     def has_result(self, task_id: str) -> bool:
-        return bool(self._exec("SELECT 1 FROM results WHERE task_id = ?", (task_id,)))
+        return bool(self._read("SELECT 1 FROM results WHERE task_id = ?", (task_id,)))
 
     def put_result(self, row: ResultRow) -> None:
         self._write(RESULT_UPSERT, [getattr(row, c) for c in RESULT_COLUMNS])
 
     def get_result(self, task_id: str) -> dict[str, Any] | None:
-        rows = self._exec(f"SELECT {', '.join(RESULT_COLUMNS)}, writes FROM results WHERE task_id = ?",
+        rows = self._read(f"SELECT {', '.join(RESULT_COLUMNS)}, writes FROM results WHERE task_id = ?",
                           (task_id,))
         return dict(zip(RESULT_COLUMNS + ["writes"], rows[0])) if rows else None
 
@@ -261,7 +268,7 @@ class Store:
         if task_ids is not None:
             rows = self._select_in(f"SELECT {cols} FROM dead", task_ids)
         else:
-            rows = self._exec(f"SELECT {cols} FROM dead ORDER BY dead_at DESC LIMIT ?", (limit,))
+            rows = self._read(f"SELECT {cols} FROM dead ORDER BY dead_at DESC LIMIT ?", (limit,))
         return [DeadRow(*r) for r in rows]
 
     def remove_dead(self, task_ids: Sequence[str]) -> None:
@@ -270,11 +277,11 @@ class Store:
         self._exec_many("DELETE FROM redeliveries WHERE task_id = ?", [(t,) for t in task_ids])
 
     def dead_since(self, since: float) -> int:
-        return self._exec("SELECT COUNT(*) FROM dead WHERE dead_at >= ?", (since,))[0][0]
+        return self._read("SELECT COUNT(*) FROM dead WHERE dead_at >= ?", (since,))[0][0]
 
     # -- reporting ----------------------------------------------------------------
     def counts(self) -> dict[str, int]:
-        row = self._exec(
+        row = self._read(
             "SELECT (SELECT COUNT(*) FROM outbox), "
             "(SELECT COUNT(*) FROM outbox WHERE state = 'confirmed'), "
             "(SELECT COUNT(*) FROM outbox WHERE state = 'new'), "
@@ -286,12 +293,12 @@ class Store:
         return {k: int(v) for k, v in zip(keys, row)}
 
     def result_status_counts(self) -> dict[str, int]:
-        return {r[0]: int(r[1]) for r in self._exec("SELECT status, COUNT(*) FROM results GROUP BY status")}
+        return {r[0]: int(r[1]) for r in self._read("SELECT status, COUNT(*) FROM results GROUP BY status")}
 
     def lost(self, grace_s: float) -> list[str]:
         """Confirmed in the outbox longer than ``grace_s`` ago, yet neither stored nor dead."""
         cutoff = time.time() - grace_s
-        rows = self._exec(
+        rows = self._read(
             "SELECT o.task_id FROM outbox o WHERE o.state = 'confirmed' AND o.confirmed_at <= ? "
             "AND NOT EXISTS (SELECT 1 FROM results r WHERE r.task_id = o.task_id) "
             "AND NOT EXISTS (SELECT 1 FROM dead d WHERE d.task_id = o.task_id) "
@@ -300,14 +307,14 @@ class Store:
 
     def pending_confirmed(self) -> int:
         """Confirmed tasks not yet in results or dead (in the broker or in flight)."""
-        return self._exec(
+        return self._read(
             "SELECT COUNT(*) FROM outbox o WHERE o.state = 'confirmed' "
             "AND NOT EXISTS (SELECT 1 FROM results r WHERE r.task_id = o.task_id) "
             "AND NOT EXISTS (SELECT 1 FROM dead d WHERE d.task_id = o.task_id)")[0][0]
 
     def latency_percentiles(self, limit: int = 10000) -> dict[str, float | None]:
         """End-to-end seconds from enqueued_at to stored, over the latest results."""
-        rows = self._exec("SELECT fetched_at - enqueued_at FROM results WHERE enqueued_at > 0 "
+        rows = self._read("SELECT fetched_at - enqueued_at FROM results WHERE enqueued_at > 0 "
                           "ORDER BY fetched_at DESC LIMIT ?", (limit,))
         values = sorted(float(r[0]) for r in rows)
         if not values:
@@ -315,20 +322,20 @@ class Store:
         return {"p50": values[int(0.50 * (len(values) - 1))], "p95": values[int(0.95 * (len(values) - 1))]}
 
     def oldest_unfinished_age(self) -> float | None:
-        rows = self._exec(
+        rows = self._read(
             "SELECT MIN(o.confirmed_at) FROM outbox o WHERE o.state = 'confirmed' "
             "AND NOT EXISTS (SELECT 1 FROM results r WHERE r.task_id = o.task_id) "
             "AND NOT EXISTS (SELECT 1 FROM dead d WHERE d.task_id = o.task_id)")
         return None if not rows or rows[0][0] is None else time.time() - float(rows[0][0])
 
     def attempts_for(self, task_id: str) -> list[dict[str, Any]]:
-        rows = self._exec("SELECT attempt, error, http_status, delay_s, worker, at FROM attempts "
+        rows = self._read("SELECT attempt, error, http_status, delay_s, worker, at FROM attempts "
                           "WHERE task_id = ? ORDER BY attempt", (task_id,))
         return [dict(zip(["attempt", "error", "http_status", "delay_s", "worker", "at"], r)) for r in rows]
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         """Read-only helper for reports and tests."""
-        return self._exec(sql, params)
+        return self._read(sql, params)
 
     def _select_in(self, base_sql: str, task_ids: Sequence[str]) -> list[tuple]:
         out: list[tuple] = []
@@ -336,7 +343,7 @@ class Store:
         for i in range(0, len(ids), 500):
             chunk = ids[i:i + 500]
             marks = ", ".join("?" for _ in chunk)
-            out.extend(self._exec(f"{base_sql} WHERE task_id IN ({marks})", chunk))
+            out.extend(self._read(f"{base_sql} WHERE task_id IN ({marks})", chunk))
         return out
 
 
@@ -363,6 +370,15 @@ class SQLiteStore(Store):
             with self._lock:
                 self._all.append(conn)
         return conn
+
+    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        # Autocommit SELECT: WAL gives it a consistent snapshot without BEGIN IMMEDIATE,
+        # so reads (has_result on every delivery) never queue behind a commit's fsync.
+        cur = self._conn().execute(sql, params)
+        try:
+            return cur.fetchall()
+        finally:
+            cur.close()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Cursor]:
