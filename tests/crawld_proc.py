@@ -111,19 +111,9 @@ class Crawld:
                    what=f"{n} tasks finished (have {self.finished()})")
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        out = []
         if not self.log_path.exists():
-            return out
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if name is None or event.get("event") == name:
-                out.append(event)
-        return out
+            return []
+        return parse_events(self.log_path.read_text(errors="replace"), name)
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -133,6 +123,43 @@ class Crawld:
             _kill(pid)
         if self._store is not None:
             self._store.close()
+
+
+def run_always_500_against_300_good(daemon: "Crawld", site: Any, key: str) -> tuple[Any, list[dict]]:
+    """One always-500 page among 300 good ones, retry tiers [1, 2, 3] s, max_deliver 4:
+    the bad one walks every tier and ends dead; the good ones finish first.
+    Returns the dead row and its attempt rows for transport-specific checks."""
+    bad = site.url(f"/500/{key}")
+    assert daemon.publish([bad] + [site.url(f"/fast/{key}-{i}") for i in range(300)]).returncode == 0
+    daemon.start()
+    daemon.wait_finished(301, timeout=60)
+    assert daemon.stop() == 0
+    dead = daemon.store.list_dead()
+    assert [(d.url, d.attempts, d.reason) for d in dead] == [(bad, 4, "retries_exhausted")]
+    good_done = daemon.store.query("SELECT MAX(fetched_at) FROM results")[0][0]
+    assert good_done < dead[0].dead_at, "the main queue finished before the retries ran out"
+    attempts = daemon.store.attempts_for(dead[0].task_id)
+    assert [a["attempt"] for a in attempts] == [1, 2, 3, 4]
+    assert [a["delay_s"] for a in attempts[:3]] == [1, 2, 3]
+    gaps = [b["at"] - a["at"] for a, b in zip(attempts, attempts[1:])]
+    assert all(g >= d * 0.9 for g, d in zip(gaps, [1, 2, 3])), gaps
+    assert site.hits(f"/500/{key}") == 4
+    return dead[0], attempts
+
+
+def parse_events(text: str, name: str | None = None) -> list[dict[str, Any]]:
+    """The JSON log events in ``text`` (other lines skipped), optionally of one name."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if name is None or event.get("event") == name:
+            out.append(event)
+    return out
 
 
 def children_of(pid: int) -> list[int]:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import configparser
-import json
 import os
 import re
 import shutil
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from crawld_proc import Crawld
+from crawld_proc import Crawld, parse_events
 from harness import (free_port, jetstream_ready, leftover_processes, make_config,
                      nats_server_binary, port_open, run_async, wait_until)
 
@@ -405,17 +404,7 @@ files = {self.program}
             with open(path, "rb") as fh:
                 fh.seek((since or {}).get(path, 0))
                 data = fh.read().decode(errors="replace")
-            found = []
-            for line in data.splitlines():
-                if not line.startswith("{"):
-                    continue
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if name is None or event.get("event") == name:
-                    found.append(event)
-            out[path] = found
+            out[path] = parse_events(data, name)
         return out
 
     def shutdown(self, timeout: float = 90) -> int:

@@ -7,7 +7,7 @@ import uuid
 
 import pika
 import pytest
-from crawld_proc import Crawld
+from crawld_proc import Crawld, run_always_500_against_300_good
 from harness import wait_until
 
 from crawld.config import load_config
@@ -193,21 +193,7 @@ def test_rabbit_restart_during_1000_tasks_loses_nothing(make_crawld, site, rabbi
 def test_always_500_walks_every_tier_while_main_queue_flows(make_crawld, site, rabbit):
     daemon = make_crawld("amqp", workers={"count": 1, "threads": 4}, queue={
         "prefetch": 4, "retry_delays_s": [1, 2, 3], "max_deliver": 4})
-    key = _key()
-    bad = site.url(f"/500/{key}")
-    good = [site.url(f"/fast/{key}-{i}") for i in range(300)]
-    assert daemon.publish([bad] + good).returncode == 0
-    daemon.start()
-    daemon.wait_finished(301, timeout=60)
-    assert daemon.stop() == 0
-    dead = daemon.store.list_dead()
-    assert [(d.url, d.attempts, d.reason) for d in dead] == [(bad, 4, "retries_exhausted")]
-    good_done = daemon.store.query("SELECT MAX(fetched_at) FROM results")[0][0]
-    assert good_done < dead[0].dead_at, "the main queue finished before the tiers ran out"
-    attempts = daemon.store.attempts_for(dead[0].task_id)
-    assert [a["attempt"] for a in attempts] == [1, 2, 3, 4]
-    assert [a["delay_s"] for a in attempts[:3]] == [1, 2, 3]
-    assert site.hits(f"/500/{key}") == 4
+    run_always_500_against_300_good(daemon, site, _key())
     assert rabbit.queue_depth(f"{queue_of(daemon)}.dead") == 1
     with rabbit.channel() as ch:
         method, props, body = ch.basic_get(f"{queue_of(daemon)}.dead", auto_ack=True)

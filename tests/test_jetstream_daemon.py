@@ -7,7 +7,7 @@ import uuid
 
 import nats as natspy
 import pytest
-from crawld_proc import Crawld
+from crawld_proc import Crawld, run_always_500_against_300_good
 from harness import NatsServer, run_async, wait_until
 
 from crawld.transports.jetstream import DEAD_STREAM
@@ -67,21 +67,7 @@ def test_nats_server_killed_and_restarted_midrun_loses_nothing(make_crawld, site
 def test_always_500_naks_with_delay_then_dead_stream(make_crawld, site, js_server):
     daemon = make_crawld(workers={"count": 1, "threads": 4},
                          queue={"prefetch": 4, "retry_delays_s": [1, 2, 3], "max_deliver": 4})
-    key = _key()
-    bad = site.url(f"/500/{key}")
-    good = [site.url(f"/fast/{key}-{i}") for i in range(300)]
-    assert daemon.publish([bad] + good).returncode == 0
-    daemon.start()
-    daemon.wait_finished(301, timeout=60)
-    assert daemon.stop() == 0
-    dead = daemon.store.list_dead()
-    assert [(d.url, d.attempts, d.reason) for d in dead] == [(bad, 4, "retries_exhausted")]
-    good_done = daemon.store.query("SELECT MAX(fetched_at) FROM results")[0][0]
-    assert good_done < dead[0].dead_at, "the main stream finished before the retries ran out"
-    attempts = daemon.store.attempts_for(dead[0].task_id)
-    gaps = [b["at"] - a["at"] for a, b in zip(attempts, attempts[1:])]
-    assert [a["delay_s"] for a in attempts[:3]] == [1, 2, 3]
-    assert all(g >= d * 0.9 for g, d in zip(gaps, [1, 2, 3])), gaps
+    run_always_500_against_300_good(daemon, site, _key())
     msgs = run_async(_dead_messages(js_server.url))
     assert len(msgs) == 1
     assert msgs[0].headers["x-crawld-attempt"] == "4"
