@@ -10,6 +10,7 @@ the placeholder style differs.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import queue
@@ -469,19 +470,7 @@ class PostgresStore(Store):
                 delay = min(delay * 2, 2.0)
 
     def _sql(self, sql: str) -> str:
-        out = []
-        in_literal = False
-        for ch in sql:
-            if ch == "'":
-                in_literal = not in_literal   # '' inside a literal toggles twice: fine
-                out.append(ch)
-            elif ch == "%":
-                out.append("%%")
-            elif ch == "?" and not in_literal:
-                out.append("%s")
-            else:
-                out.append(ch)
-        return "".join(out)
+        return _pg_placeholders(sql)
 
     @contextmanager
     def _tx(self) -> Iterator[Any]:
@@ -580,6 +569,25 @@ class _Pending:
         self.params = params
         self.done = threading.Event()
         self.error: BaseException | None = None
+
+
+@functools.lru_cache(maxsize=256)
+def _pg_placeholders(sql: str) -> str:
+    """``?`` -> ``%s`` outside string literals, literal ``%`` doubled (cached: the same
+    few statements run for every task)."""
+    out = []
+    in_literal = False
+    for ch in sql:
+        if ch == "'":
+            in_literal = not in_literal   # '' inside a literal toggles twice: fine
+            out.append(ch)
+        elif ch == "%":
+            out.append("%%")
+        elif ch == "?" and not in_literal:
+            out.append("%s")
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def open_store(cfg: StoreConfig, pool_size: int = 8) -> Store:
