@@ -30,7 +30,14 @@ T = TypeVar("T")
 
 RABBITMQ_SERVER = "/usr/sbin/rabbitmq-server"
 RABBITMQCTL = "/usr/sbin/rabbitmqctl"
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
+def _newest_pg_bin() -> Path:
+    """Debian installs PostgreSQL under /usr/lib/postgresql/<major>/bin (15 on bookworm)."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+                   key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0)
+    return found[-1].parent if found else Path("/usr/lib/postgresql/15/bin")
+
+
+PG_BIN = _newest_pg_bin()
 # rabbitmqctl picks its own Erlang distribution port in this range; never hand it out.
 CTL_DIST_PORTS = range(35672, 35683)
 
