@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 from harness import wait_until
 
 from crawld.config import load_config
+from crawld.embedded import children_of
 from crawld.store import Store, open_store
 
 CRAWLD = [sys.executable, "-m", "crawld"]
@@ -160,21 +161,6 @@ def parse_events(text: str, name: str | None = None) -> list[dict[str, Any]]:
         if name is None or event.get("event") == name:
             out.append(event)
     return out
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(entry))
-    return sorted(out)
 
 
 def all_descendants(pid: int) -> list[int]:

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from .config import load_config
 from . import embedded
-from .embedded import RABBITMQ_SERVER, NatsServer, RabbitNode
+from .embedded import RABBITMQ_SERVER, NatsServer, RabbitNode, children_of
 from .reconcile import format_reconciliation, reconcile
 from .status import collect, format_status
 from .store import Store, open_store
@@ -201,7 +201,7 @@ class Demo:
 
     def kill_one_worker(self) -> None:
         assert self.supervisor is not None
-        children = _children(self.supervisor.pid)
+        children = children_of(self.supervisor.pid)
         if not children:
             return
         self.killed_worker = children[0]
@@ -268,17 +268,6 @@ def attempt_table(store: Store, kinds: dict[str, str], per_kind: int = 3) -> str
 def _bar(done: int, total: int, width: int = 24) -> str:
     filled = int(width * done / total) if total else width
     return "[" + "#" * filled + "." * (width - filled) + "]"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                    out.append(int(entry))
-    return sorted(out)
 
 
 @contextlib.contextmanager

@@ -178,6 +178,22 @@ def _read_proc(pid: int) -> tuple[ProcInfo, bytes] | None:
     return ProcInfo(pid, int(ppid), name, state, cmdline), environ
 
 
+def children_of(pid: int) -> list[int]:
+    """Live (non-zombie) child pids of ``pid``, from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(entry))
+    return sorted(out)
+
+
 def list_processes() -> list[tuple[ProcInfo, bytes]]:
     """Every process with its raw environment (readable for all processes when root)."""
     found = []

@@ -16,7 +16,7 @@ import sys
 import time
 
 from benchlib import (Env, Ratio, Section, Table, amqp_declare, amqp_delete_setup, bench_main,
-                      children_of, crawld_setup, raw_client, rss_kib, run_json, run_section,
+                      children_of, crawld_setup, raw_client, rss_kib, run_section,
                       start_crawld, stop_proc, wait_rows, wait_until)
 
 KEY = "memory"

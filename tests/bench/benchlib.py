@@ -36,6 +36,8 @@ for _p in (str(TESTS_DIR), str(BENCH_DIR)):
 
 from harness import NatsServer, RabbitNode, free_port, make_config, wait_until  # noqa: E402,F401
 
+from crawld.embedded import children_of  # noqa: E402
+
 PY = sys.executable
 CRAWLD = [PY, "-m", "crawld"]
 THREADS = 16           # crawld's default workers.threads
@@ -300,21 +302,6 @@ class Env:
 
 
 # -- processes -----------------------------------------------------------------------------
-def children_of(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields_ = stat[stat.rindex(")") + 2:].split()
-        if int(fields_[1]) == pid and fields_[0] != "Z":
-            out.append(int(entry))
-    return sorted(out)
-
-
 def descendants(pid: int) -> list[int]:
     found, frontier = [], [pid]
     for _ in range(10):
