@@ -150,9 +150,11 @@ class Store:
         if self._group is None:
             self._group = GroupCommit(self, max_batch)
 
-    def _exec_many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+    def _exec_many(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
+        """Run ``sql`` for every row in one transaction; returns the rows changed."""
         with self._tx() as cur:
             cur.executemany(self._sql(sql), list(rows))
+            return max(0, cur.rowcount)
 
     def init_schema(self) -> None:
         with self._tx() as cur:
@@ -195,12 +197,10 @@ class Store:
     def outbox_add(self, tasks: Sequence[Task]) -> int:
         """Insert new tasks; an id already in the outbox is left as it is. Returns new count."""
         now = time.time()
-        before = self.outbox_count()
-        self._exec_many(
+        return self._exec_many(
             "INSERT INTO outbox (task_id, url, round, source, state, tries, created_at) "
             "VALUES (?, ?, ?, ?, 'new', 0, ?) ON CONFLICT (task_id) DO NOTHING",
             [(t.task_id, t.url, t.round, t.source, now) for t in tasks])
-        return self.outbox_count() - before
 
     def outbox_count(self, state: str | None = None) -> int:
         if state is None:

@@ -164,7 +164,7 @@ class Worker:
 
     def _prepay_redelivery(self, delivery: Delivery) -> None:
         """A delivery given back on purpose must not count toward the crash guard."""
-        if getattr(self.transport, "counts_deliveries", True):
+        if self.transport.counts_deliveries:
             return
         try:
             task = parse_message(delivery.body, delivery.message_id, self.cfg.queue.max_message_bytes)
@@ -270,7 +270,7 @@ class Worker:
             return Decision(Verdict.DEAD, reason="retries_exhausted",
                             error=f"delivered {delivery.attempt} times (max_deliver {limit})")
         count = delivery.broker_redeliveries
-        if count is None and delivery.redelivered and not getattr(self.transport, "counts_deliveries", True):
+        if count is None and delivery.redelivered and not self.transport.counts_deliveries:
             count = self.store.bump_redelivery(task.task_id)
         if count is not None and count >= limit:
             return Decision(Verdict.DEAD, reason="redelivery_limit",
@@ -355,9 +355,7 @@ class Worker:
 
     def _count_stats(self, settlement: Settlement) -> None:
         """Scrapy's retry stat names, on the fetcher's stats object."""
-        stats = getattr(self.fetcher, "stats", None)
-        if stats is None:
-            return
+        stats = self.fetcher.stats
         if settlement.action is Action.RETRY:
             stats.inc("retry/count")
             stats.inc(f"retry/reason_count/{settlement.reason}")
@@ -380,9 +378,7 @@ class Worker:
         with self._lock:
             snapshot = dict(self.state.__dict__, pid=os.getpid(),
                             connected=self.transport.connected)
-        stats = getattr(self.fetcher, "stats", None)
-        if stats is not None:
-            snapshot["stats"] = stats.snapshot()
+        snapshot["stats"] = self.fetcher.stats.snapshot()
         self.metrics.set_inflight(snapshot["inflight"])
         try:
             os.write(self._heartbeat_fd, (json.dumps(snapshot) + "\n").encode())

@@ -202,7 +202,7 @@ class AmqpTransport(Transport):
     def _release_held(self) -> None:
         held, self._held = self._held or [], None
         for delivery, settlement in held:
-            self._settle_now(delivery, settlement, counted=False)
+            self._settle_now(delivery, settlement, may_hold=False)
 
     def poll(self, timeout: float) -> None:
         if not self.connected:
@@ -288,9 +288,9 @@ class AmqpTransport(Transport):
         with self._pending_lock:
             self._pending -= 1
 
-    def _settle_now(self, delivery: Delivery, settlement: Settlement, counted: bool = True) -> None:
+    def _settle_now(self, delivery: Delivery, settlement: Settlement, may_hold: bool = True) -> None:
         """Runs on the connection thread inside process_data_events."""
-        if self._held is not None and counted:
+        if self._held is not None and may_hold:
             self._held.append((delivery, settlement))
             return
         try:

@@ -66,6 +66,9 @@ class Transport(abc.ABC):
     """Consumer side of a broker, used by one worker process."""
 
     name: str = "?"
+    # True when Delivery.attempt already counts crash redeliveries (JetStream num_delivered);
+    # False when the worker must count them itself (classic AMQP queues keep no counter).
+    counts_deliveries: bool = True
 
     @abc.abstractmethod
     def connect(self) -> None:
