@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import NatsServer, PostgresServer, RabbitNode, make_config  # noqa: E402
 
-from crawld.testsite import TestSite  # noqa: E402
+from crawld.devtools.testsite import TestSite  # noqa: E402
 
 
 def _interrupt_on_sigterm(signum: int, frame: object) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 from harness import wait_until
 
 from crawld.config import load_config
-from crawld.embedded import children_of
+from crawld.devtools.servers import children_of
 from crawld.store import Store, open_store
 
 CRAWLD = [sys.executable, "-m", "crawld"]
@@ -88,7 +88,7 @@ class Crawld:
         return ""
 
     def supervisor_state(self) -> dict[str, Any]:
-        from crawld.supervisor import state_file
+        from crawld.process.supervisor import state_file
         try:
             return json.loads(state_file(load_config(str(self.config_path))).read_text())
         except (OSError, ValueError):

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Mapping
 
-from crawld.embedded import (  # noqa: F401  (re-exported for tests and benchmarks)
+from crawld.devtools.servers import (  # noqa: F401  (re-exported for tests and benchmarks)
     CTL_DIST_PORTS, PG_BIN, RABBITMQ_SERVER, RABBITMQCTL, NatsServer, RabbitNode, _announce,
     _chown_tree, _kill_pid, _log_tail, _stop_at_exit, free_port, jetstream_ready,
     ProcInfo, kill_leftovers, leftover_processes, list_processes, nats_server_binary, port_open,

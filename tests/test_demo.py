@@ -34,7 +34,7 @@ def test_demo_200_tasks_end_to_end(tmp_path):
 
 
 def test_demo_amqp_without_rabbitmq_is_a_clear_message(tmp_path, monkeypatch):
-    from crawld import demo
+    from crawld.devtools import demo
     monkeypatch.setattr(demo, "RABBITMQ_SERVER", str(tmp_path / "no-such-rabbitmq-server"))
     import argparse
     code = demo.run_demo(argparse.Namespace(dir=str(tmp_path / "d"), transport="amqp", tasks=10, workers=1))

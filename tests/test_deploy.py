@@ -30,7 +30,7 @@ from harness import (free_port, jetstream_ready, leftover_processes, make_config
                      nats_server_binary, port_open, run_async, wait_until)
 
 from crawld.config import load_config
-from crawld.supervisor import KILL_GRACE_S
+from crawld.process.supervisor import KILL_GRACE_S
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -17,7 +17,7 @@ from harness import (NatsCluster, NatsServer, PostgresServer, RabbitNode, free_p
                      leftover_processes, make_config, run_async)
 
 from crawld.config import load_config
-from crawld.testsite import TestSite
+from crawld.devtools.testsite import TestSite
 
 SERVER_PROCS = ("beam.smp", "epmd", "erl_child_setup", "inet_gethost", "nats-server", "postgres")
 

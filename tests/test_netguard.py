@@ -10,7 +10,7 @@ from urllib3.exceptions import NewConnectionError
 
 from crawld.config import FetchConfig
 from crawld.fetch import Fetcher
-from crawld.netguard import (GuardedHTTPConnection, NetGuard, Refusal, Target, address_problem,
+from crawld.fetch.netguard import (GuardedHTTPConnection, NetGuard, Refusal, Target, address_problem,
                              parse_url)
 
 try:

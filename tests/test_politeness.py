@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from crawld import politeness
+from crawld.fetch import politeness
 from crawld.config import FetchConfig
 from crawld.fetch import Fetcher
-from crawld.politeness import HostLimiter, PolitenessTimeout
+from crawld.fetch.politeness import HostLimiter, PolitenessTimeout
 
 try:
     from fetch_servers import LocalServer, forbid_external_network, page, robots, sequence, slow
@@ -105,7 +105,7 @@ def test_bounded_wait_returns_politeness_error(make) -> None:
 def test_slot_of_a_killed_process_is_released(tmp_path) -> None:
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from crawld.politeness import HostLimiter
+        from crawld.fetch.politeness import HostLimiter
         slot = HostLimiter({str(tmp_path)!r}, 1).acquire("example.test", wait_s=1)
         print("held", flush=True)
         time.sleep(60)

@@ -9,7 +9,7 @@ import pytest
 
 from crawld.config import FetchConfig
 from crawld.fetch import Fetcher
-from crawld.robots import MAX_ROBOTS_BYTES, RobotsCache, user_agent_token
+from crawld.fetch.robots import MAX_ROBOTS_BYTES, RobotsCache, user_agent_token
 
 try:
     from fetch_servers import (LocalServer, forbid_external_network, page, redirect, robots,

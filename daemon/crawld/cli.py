@@ -10,9 +10,9 @@ import json
 import sys
 from typing import Any, Callable, Sequence
 
-from . import __version__
-from .config import Config, ConfigError, load_config, redact_url
-from .logs import setup_logging
+from crawld import __version__
+from crawld.config import Config, ConfigError, load_config, redact_url
+from crawld.logs import setup_logging
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -88,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         if args.workers < 0:
             raise ConfigError("--workers: must be >= 0")
         cfg = cfg.replace("workers", count=args.workers)
-    from .config import validate
+    from crawld.config import validate
     validate(cfg)
     return cfg
 
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _open_store(cfg: Config) -> Any:
-    from .store import open_store
+    from crawld.store.base import open_store
     try:
         return open_store(cfg.store)
     except Exception as exc:
@@ -117,7 +117,7 @@ def _open_store(cfg: Config) -> Any:
 
 
 def cmd_run(args: argparse.Namespace, cfg: Config) -> int:
-    from .supervisor import Supervisor
+    from crawld.process.supervisor import Supervisor
     setup_logging(cfg.log, "supervisor")
     _open_store(cfg).close()          # fail fast (exit 2) on a bad store, before forking
 
@@ -127,13 +127,13 @@ def cmd_run(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_worker(args: argparse.Namespace, cfg: Config) -> int:
-    from .worker import run_worker
+    from crawld.process.worker import run_worker
     setup_logging(cfg.log, "worker")
     return run_worker(cfg)
 
 
 def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
-    from .publish import publish_file, terminal_progress
+    from crawld.ops.publish import publish_file, terminal_progress
     setup_logging(cfg.log, "publish")
     store = _open_store(cfg)
     try:
@@ -152,7 +152,7 @@ def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
-    from .status import collect, format_status
+    from crawld.ops.status import collect, format_status
     setup_logging(cfg.log, "status")
     store = _open_store(cfg)
     report = collect(cfg, store)
@@ -162,7 +162,7 @@ def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_reconcile(args: argparse.Namespace, cfg: Config) -> int:
-    from .reconcile import format_reconciliation, reconcile
+    from crawld.ops.reconcile import format_reconciliation, reconcile
     setup_logging(cfg.log, "reconcile")
     store = _open_store(cfg)
     rec = reconcile(store, args.grace)
@@ -174,7 +174,7 @@ def cmd_reconcile(args: argparse.Namespace, cfg: Config) -> int:
 def cmd_dlq(args: argparse.Namespace, cfg: Config) -> int:
     from dataclasses import asdict
 
-    from .dlq import format_dead, replay
+    from crawld.ops.dlq import format_dead, replay
     setup_logging(cfg.log, "dlq")
     store = _open_store(cfg)
     try:
@@ -213,7 +213,7 @@ def cmd_check_config(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, _cfg: Config | None) -> int:
-    from .demo import run_demo
+    from crawld.devtools.demo import run_demo
     return run_demo(args)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from .config import LogConfig, redact_url
+from crawld.config import LogConfig, redact_url
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from ..task import Task
+from crawld.task import Task
 
 ATTEMPT_HEADER = "x-crawld-attempt"
 ERROR_HEADER = "x-crawld-error"

@@ -21,15 +21,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .classify import Decision, Verdict, classify
-from .config import Config, runtime_dir
-from .fetch import Fetcher, FetchResult
-from .logs import get_logger
-from .metrics import Metrics
-from .stats import Stats
-from .store import DeadRow, ResultRow, Store
-from .task import MalformedMessage, Task, parse_message
-from .transports.base import Action, Delivery, Settlement, TopologyError, Transport
+from crawld.pipeline.classify import Decision, Verdict, classify
+from crawld.config import Config, runtime_dir
+from crawld.fetch.fetcher import Fetcher, FetchResult
+from crawld.logs import get_logger
+from crawld.metrics import Metrics
+from crawld.stats import Stats
+from crawld.store.base import DeadRow, ResultRow, Store
+from crawld.task import MalformedMessage, Task, parse_message
+from crawld.transports.base import Action, Delivery, Settlement, TopologyError, Transport
 
 log = get_logger("crawld.worker")
 
@@ -428,8 +428,8 @@ EXIT_BOOT_ERROR = 3      # retrying cannot help: the supervisor stops instead of
 
 def run_worker(cfg: Config) -> int:
     """Entry point of `crawld worker` and of each supervisor child."""
-    from .store import open_store
-    from .transports import make_transport
+    from crawld.store.base import open_store
+    from crawld.transports import make_transport
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     try:
         # Writes go through one group-commit thread; the pool serves has_result() reads.

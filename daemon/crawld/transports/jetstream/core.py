@@ -49,9 +49,9 @@ from nats.js.api import (AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy
                          RetentionPolicy, StorageType, StreamConfig)
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, wait_random_exponential
 
-from ..config import Config, redact_url
-from ..task import Task, safe_source
-from .base import (ATTEMPT_HEADER, ERROR_HEADER, ORIGIN_HEADER, REASON_HEADER, Action, Delivery,
+from crawld.config import Config, redact_url
+from crawld.task import Task, safe_source
+from crawld.transports.base import (ATTEMPT_HEADER, ERROR_HEADER, ORIGIN_HEADER, REASON_HEADER, Action, Delivery,
                    DeliveryCallback, ProgressCallback, PublishReport, Publisher, Settlement,
                    TopologyError, Transport, truncate)
 

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import Config, ConfigError, env_for, runtime_dir
-from .logs import get_logger
-from .metrics import MULTIPROC_ENV, mark_worker_dead
-from .worker import EXIT_BOOT_ERROR, HEARTBEAT_FD_ENV
+from crawld.config import Config, ConfigError, env_for, runtime_dir
+from crawld.logs import get_logger
+from crawld.metrics import MULTIPROC_ENV, mark_worker_dead
+from crawld.process.worker import EXIT_BOOT_ERROR, HEARTBEAT_FD_ENV
 
 log = get_logger("crawld.supervisor")
 
@@ -405,8 +405,8 @@ class Supervisor:
     def _start_metrics(self) -> None:
         if not self.cfg.metrics.port:
             return
-        from .metrics import dead_rate_probe, serve_aggregate
-        from .store import open_store
+        from crawld.metrics import dead_rate_probe, serve_aggregate
+        from crawld.store.base import open_store
         self.metrics_dir = tempfile.mkdtemp(prefix="crawld-metrics-", dir=runtime_dir(self.cfg))
         os.environ[MULTIPROC_ENV] = self.metrics_dir
         store_cfg = self.cfg.store

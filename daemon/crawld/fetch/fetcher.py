@@ -45,12 +45,12 @@ from urllib3.exceptions import (DecodeError, HTTPError, LocationValueError, Name
                                 NewConnectionError, ProxyError, SSLError)
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
-from .config import FetchConfig
-from .netguard import (BadURL, DeadlineScope, NetGuard, Refusal, Resolver, Target,
+from crawld.config import FetchConfig
+from crawld.fetch.netguard import (BadURL, DeadlineScope, NetGuard, Refusal, Resolver, Target,
                        connection_pool, deadline_scope, make_pool_manager, parse_url)
-from .politeness import HostLimiter, PolitenessTimeout
-from .robots import MAX_ROBOTS_BYTES, RobotsCache
-from .stats import Stats
+from crawld.fetch.politeness import HostLimiter, PolitenessTimeout
+from crawld.fetch.robots import MAX_ROBOTS_BYTES, RobotsCache
+from crawld.stats import Stats
 
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 ROBOTS_MAX_REDIRECTS = 5            # RFC 9309: follow at least five

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .fetch import FetchResult
+from crawld.fetch.fetcher import FetchResult
 
 RETRYABLE_ERRORS = frozenset({"timeout", "connection", "dns", "tls", "proxy",
                               "robots_unavailable", "politeness"})

@@ -11,12 +11,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import IO, Callable, Iterable, Iterator
 
-from .config import Config
-from .logs import get_logger
-from .store import Store
-from .task import MalformedMessage, Task, parse_line
-from .transports import make_publisher
-from .transports.base import PublishReport
+from crawld.config import Config
+from crawld.logs import get_logger
+from crawld.store.base import Store
+from crawld.task import MalformedMessage, Task, parse_line
+from crawld.transports import make_publisher
+from crawld.transports.base import PublishReport
 
 log = get_logger("crawld.publish")
 BATCH = 5000

@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .config import Config
-from .logs import get_logger
-from .store import DeadRow, Store
-from .task import Task, safe_source
-from .transports import make_publisher
+from crawld.config import Config
+from crawld.logs import get_logger
+from crawld.store.base import DeadRow, Store
+from crawld.task import Task, safe_source
+from crawld.transports import make_publisher
 
 log = get_logger("crawld.dlq")
 

@@ -22,10 +22,10 @@ import pika
 import pika.exceptions as pex
 from tenacity import RetryError, Retrying, retry_if_exception_type, wait_random_exponential
 
-from ..config import Config, redact_url
-from ..logs import get_logger
-from ..task import Task
-from .base import (ATTEMPT_HEADER, ERROR_HEADER, ORIGIN_HEADER, REASON_HEADER, Action, Delivery,
+from crawld.config import Config, redact_url
+from crawld.logs import get_logger
+from crawld.task import Task
+from crawld.transports.base import (ATTEMPT_HEADER, ERROR_HEADER, ORIGIN_HEADER, REASON_HEADER, Action, Delivery,
                    DeliveryCallback, ProgressCallback, PublishReport, Publisher, Settlement,
                    TopologyError, Transport, tier_for, truncate)
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from protego import Protego
 
-from .stats import Stats
+from crawld.stats import Stats
 
 MAX_ROBOTS_BYTES = 500 * 1024
 MAX_TTL_S = 24 * 3600.0

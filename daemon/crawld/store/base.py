@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from .config import StoreConfig, sqlite_path
-from .task import Task
+from crawld.config import StoreConfig, sqlite_path
+from crawld.task import Task
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS outbox (

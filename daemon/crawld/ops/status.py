@@ -5,10 +5,10 @@ import json
 import time
 from typing import Any
 
-from .config import Config, redact_url
-from .store import Store
-from .supervisor import state_file
-from .transports import broker_stats
+from crawld.config import Config, redact_url
+from crawld.store.base import Store
+from crawld.process.supervisor import state_file
+from crawld.transports import broker_stats
 
 
 def collect(cfg: Config, store: Store) -> dict[str, Any]:

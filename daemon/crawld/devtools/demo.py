@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from .config import load_config
-from . import embedded
-from .embedded import RABBITMQ_SERVER, NatsServer, RabbitNode, children_of
-from .reconcile import format_reconciliation, reconcile
-from .status import collect, format_status
-from .store import Store, open_store
-from .testsite import TestSite
+from crawld.config import load_config
+from crawld.devtools import servers as embedded
+from crawld.devtools.servers import RABBITMQ_SERVER, NatsServer, RabbitNode, children_of
+from crawld.ops.reconcile import format_reconciliation, reconcile
+from crawld.ops.status import collect, format_status
+from crawld.store.base import Store, open_store
+from crawld.devtools.testsite import TestSite
 
 ACK_WAIT_S = 2.0            # the slow pages take longer: in_progress keeps them alive
 SLOW_PAGE_S = 3.0
@@ -115,8 +115,8 @@ class Demo:
 
     def _log_to_file(self) -> None:
         """The demo's own events (publish, broker setup) go to the log, not the screen."""
-        from .config import LogConfig
-        from .logs import setup_logging
+        from crawld.config import LogConfig
+        from crawld.logs import setup_logging
         self._log_stream = open(self.log_path, "a", buffering=1)
         setup_logging(LogConfig(format="json"), "demo", stream=self._log_stream)
 
@@ -135,8 +135,8 @@ class Demo:
         return self.broker.url
 
     def publish(self, cfg: Any, store: Store) -> dict[str, str]:
-        from .publish import publish_unconfirmed
-        from .task import new_task
+        from crawld.ops.publish import publish_unconfirmed
+        from crawld.task import new_task
         assert self.site is not None
         mix = page_mix(self.site, self.args.tasks)
         tasks = [new_task(url, source="demo") for _kind, url in mix]

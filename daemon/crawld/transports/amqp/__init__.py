@@ -1,0 +1,1 @@
+from crawld.transports.amqp.core import *  # noqa: F401,F403  (split in progress)
