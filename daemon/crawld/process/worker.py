@@ -91,6 +91,7 @@ class Worker:
 
     def run(self) -> int:
         self.transport.set_stop_check(lambda: self._stop)
+        self.transport.set_reconnect_listener(self.metrics.on_reconnect)
         log.info("worker_starting", worker=self.worker_id, transport=self.transport.name,
                  threads=self.cfg.workers.threads, prefetch=self.cfg.queue.prefetch)
         if self.cfg.queue.prefetch > self.cfg.workers.threads:

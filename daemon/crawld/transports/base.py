@@ -103,6 +103,16 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Close cleanly; whatever is unsettled goes back to the broker."""
 
+    def set_reconnect_listener(self, on_reconnect: Callable[[], None]) -> None:
+        """Called on the I/O thread each time a lost connection has been re-established."""
+        self._on_reconnect = on_reconnect
+
+    def reconnected(self) -> None:
+        """Transports call this after a successful reconnect (not the first connect)."""
+        listener = getattr(self, "_on_reconnect", None)
+        if listener is not None:
+            listener()
+
     def set_stop_check(self, should_stop: Callable[[], bool]) -> None:
         """Lets ``connect`` give up its backoff loop when the worker is told to stop."""
         self._should_stop = should_stop
