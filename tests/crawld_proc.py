@@ -14,10 +14,11 @@ from typing import Any, Callable, Iterable
 from harness import wait_until
 
 from crawld.config import load_config
-from crawld.devtools.servers import children_of
+from crawld.devtools.procs import children_of
 from crawld.store import Store, open_store
 
 CRAWLD = [sys.executable, "-m", "crawld"]
+TESTS_DIR = str(Path(__file__).resolve().parent)
 
 
 class Crawld:
@@ -26,7 +27,7 @@ class Crawld:
     def __init__(self, config_path: Path, env: dict[str, str] | None = None) -> None:
         self.config_path = Path(config_path)
         self.dir = self.config_path.parent
-        self.env = {**os.environ, "CRAWLD_LOG_FORMAT": "json", **(env or {})}
+        self.env = with_fault_middleware({**os.environ, "CRAWLD_LOG_FORMAT": "json", **(env or {})})
         self.proc: subprocess.Popen | None = None
         self.log_path = self.dir / "crawld-run.log"
         self._store: Store | None = None
@@ -36,7 +37,7 @@ class Crawld:
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         cmd = [*CRAWLD, *args, "-c", str(self.config_path)]
         return subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout,
-                              env={**self.env, **(env or {})})
+                              env=with_fault_middleware({**self.env, **(env or {})}))
 
     def publish(self, urls: Iterable[str], round_: str = "0") -> subprocess.CompletedProcess:
         path = self.dir / f"urls-{time.monotonic_ns()}.txt"
@@ -52,7 +53,7 @@ class Crawld:
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen([*CRAWLD, "run", "-c", str(self.config_path), *extra],
                                      stdout=log, stderr=subprocess.STDOUT,
-                                     env={**self.env, **(env or {})})
+                                     env=with_fault_middleware({**self.env, **(env or {})}))
         log.close()
         return self.proc
 
@@ -88,7 +89,7 @@ class Crawld:
         return ""
 
     def supervisor_state(self) -> dict[str, Any]:
-        from crawld.process.supervisor import state_file
+        from crawld.process.files import state_file
         try:
             return json.loads(state_file(load_config(str(self.config_path))).read_text())
         except (OSError, ValueError):
@@ -124,6 +125,17 @@ class Crawld:
             _kill(pid)
         if self._store is not None:
             self._store.close()
+
+
+def with_fault_middleware(env: dict[str, str]) -> dict[str, str]:
+    """A test that sets CRAWLD_TEST_FAULT gets tests/faults.py loaded into its workers
+    (the supervisor passes both the env and the config on to them)."""
+    from faults import FAULT_ENV, MIDDLEWARE_SPEC
+    if not env.get(FAULT_ENV):
+        return env
+    path = [TESTS_DIR, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**env, "CRAWLD_PIPELINE_MIDDLEWARE": json.dumps([MIDDLEWARE_SPEC]),
+            "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
 
 
 def run_always_500_against_300_good(daemon: "Crawld", site: Any, key: str) -> tuple[Any, list[dict]]:

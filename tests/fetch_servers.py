@@ -1,7 +1,8 @@
 """Small local HTTP(S) servers with hostile and special behaviours, for the fetcher tests.
 
 Everything binds to 127.0.0.1 on port 0. ``forbid_external_network`` makes any attempt
-to connect to a non-loopback address (or to resolve a real name) fail *and* be recorded,
+to connect or send a datagram to a non-loopback address (or to resolve a real name
+through the system) fail *and* be recorded,
 so tests can prove that refusals happen before a single packet leaves.
 """
 from __future__ import annotations
@@ -245,12 +246,18 @@ class NetSpy:
     connects: list[tuple] = field(default_factory=list)    # every connect() attempted
     blocked: list[tuple] = field(default_factory=list)     # the non-loopback ones (refused)
     lookups: list[str] = field(default_factory=list)       # names (not literals) given to getaddrinfo
+    datagrams: list[tuple] = field(default_factory=list)   # every sendto() destination (DNS over UDP)
 
 
 def forbid_external_network(monkeypatch) -> NetSpy:  # type: ignore[no-untyped-def]
-    """Refuse and record connects to non-loopback addresses and DNS lookups of real names."""
+    """Refuse and record connects/datagrams to non-loopback addresses and system DNS of real names.
+
+    ``sendto`` is fenced too: dnspython asks its servers over unconnected UDP sockets, so a
+    resolver pointed at a real server would otherwise slip past a connect-only fence.
+    """
     spy = NetSpy()
     real_connect, real_connect_ex, real_gai = socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo
+    real_sendto = socket.socket.sendto
 
     def allowed(sock: socket.socket, address: object) -> bool:
         if sock.family not in (socket.AF_INET, socket.AF_INET6):
@@ -270,6 +277,15 @@ def forbid_external_network(monkeypatch) -> NetSpy:  # type: ignore[no-untyped-d
     def connect_ex(sock: socket.socket, address: object) -> int:
         return real_connect_ex(sock, address) if allowed(sock, address) else errno.ENETUNREACH
 
+    def sendto(sock: socket.socket, data: bytes, *args: object) -> int:
+        address = args[-1]
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            spy.datagrams.append(address)  # type: ignore[arg-type]
+            if not ipaddress.ip_address(str(address[0]).split("%")[0]).is_loopback:  # type: ignore[index]
+                spy.blocked.append(address)  # type: ignore[arg-type]
+                raise OSError(errno.ENETUNREACH, f"test fence: datagram to {address} refused")
+        return real_sendto(sock, data, *args)  # type: ignore[arg-type]
+
     def getaddrinfo(host, *args, **kwargs):  # type: ignore[no-untyped-def]
         name = host.decode() if isinstance(host, bytes) else host
         if name is not None:
@@ -283,6 +299,7 @@ def forbid_external_network(monkeypatch) -> NetSpy:  # type: ignore[no-untyped-d
 
     monkeypatch.setattr(socket.socket, "connect", connect)
     monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+    monkeypatch.setattr(socket.socket, "sendto", sendto)
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     return spy
 

@@ -4,6 +4,8 @@ No mocks. Each server gets free 127.0.0.1 ports and its own temp directory, so s
 sessions (and other people's tests) can run side by side on one machine. Import it from
 tests (``from harness import ...``; conftest puts tests/ on sys.path) or from tests/bench/.
 
+RabbitNode and NatsServer are the servers `crawld demo` embeds (crawld.devtools.servers)
+with what only tests do to them; PostgreSQL and clusters exist only here.
 Every server records how long its start took in ``start_seconds`` and prints it.
 """
 from __future__ import annotations
@@ -18,13 +20,108 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
+import pika
+
+from crawld.devtools import servers
+from crawld.devtools.procs import (  # noqa: F401  (re-exported for tests and benchmarks)
+    ProcInfo, children_of, kill_leftovers, kill_pid, leftover_processes)
 from crawld.devtools.servers import (  # noqa: F401  (re-exported for tests and benchmarks)
-    CTL_DIST_PORTS, PG_BIN, RABBITMQ_SERVER, RABBITMQCTL, NatsServer, RabbitNode, _announce,
-    _chown_tree, _kill_pid, _log_tail, _stop_at_exit, free_port, jetstream_ready,
-    ProcInfo, kill_leftovers, leftover_processes, list_processes, nats_server_binary, port_open,
-    run_async, wait_until)
+    RABBITMQ_SERVER, RABBITMQCTL, announce, chown_tree, free_port, jetstream_ready, log_tail,
+    nats_server_binary, port_open, run_async, stop_at_exit, wait_until)
+
+
+def _newest_pg_bin() -> Path:
+    """Debian installs PostgreSQL under /usr/lib/postgresql/<major>/bin (15 on bookworm)."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+                   key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0)
+    return found[-1].parent if found else Path("/usr/lib/postgresql/15/bin")
+
+
+PG_BIN = _newest_pg_bin()
+
+
+# ---------------------------------------------------------------------------------------
+# brokers: crawld's embedded servers plus what only tests do to them
+# ---------------------------------------------------------------------------------------
+class RabbitNode(servers.RabbitNode):
+    """The demo's private RabbitMQ node, plus outages and queue inspection for tests."""
+
+    def stop_app(self, timeout: float = 30) -> None:
+        """Stop the RabbitMQ application (the Erlang node stays up); AMQP goes away."""
+        self.ctl("stop_app", timeout=timeout)
+        wait_until(lambda: not port_open(self.port), timeout, what="AMQP listener to close")
+
+    def start_app(self, timeout: float = 60) -> None:
+        self.ctl("start_app", timeout=timeout)
+        self.wait_amqp(timeout)
+
+    def restart(self, timeout: float = 60) -> float:
+        """Full node stop and start on the same dirs and port (durable data survives)."""
+        self.shutdown(timeout=timeout)
+        return self.start(timeout)
+
+    @contextlib.contextmanager
+    def channel(self) -> Iterator[pika.adapters.blocking_connection.BlockingChannel]:
+        """A fresh connection + channel, closed on exit."""
+        conn = pika.BlockingConnection(pika.URLParameters(self.url))
+        try:
+            yield conn.channel()
+        finally:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                conn.close()
+
+    def queue_depth(self, name: str) -> int:
+        """Ready messages in ``name`` (passive declare; raises if the queue is missing)."""
+        with self.channel() as ch:
+            return ch.queue_declare(name, passive=True).method.message_count
+
+    def list_queues(self) -> dict[str, int]:
+        """``{queue name: ready messages}`` for the default vhost."""
+        out = self.ctl("list_queues", "--quiet", "--no-table-headers", "name", "messages_ready").stdout
+        queues = {}
+        for line in out.splitlines():
+            name, _, count = line.rpartition("\t")
+            if name:
+                queues[name] = int(count)
+        return queues
+
+    def purge_all(self) -> None:
+        with self.channel() as ch:
+            for name in self.list_queues():
+                ch.queue_purge(name)
+
+    def delete_queues(self, prefix: str = "") -> list[str]:
+        """Delete every queue whose name starts with ``prefix``; return their names."""
+        names = [n for n in self.list_queues() if n.startswith(prefix)]
+        with self.channel() as ch:
+            for name in names:
+                ch.queue_delete(name)
+        return names
+
+    def delete_exchanges(self, prefix: str) -> list[str]:
+        """Delete our own exchanges (never the built-in ``amq.*`` / default ones)."""
+        out = self.ctl("list_exchanges", "--quiet", "--no-table-headers", "name").stdout
+        names = [n for n in out.splitlines() if n and n.startswith(prefix) and not n.startswith("amq.")]
+        with self.channel() as ch:
+            for name in names:
+                ch.exchange_delete(name)
+        return names
+
+
+class NatsServer(servers.NatsServer):
+    """The demo's nats-server, plus the crash and restart tests inflict on it."""
+
+    def kill(self) -> None:
+        """SIGKILL: a crash without any flush or goodbye."""
+        self.signal_and_wait(signal.SIGKILL, timeout=10)
+
+    def restart(self, timeout: float = 30) -> float:
+        """Stop and start on the same store dir and port (file streams survive)."""
+        self.stop()
+        return self.start(timeout)
+
 
 # ---------------------------------------------------------------------------------------
 # config files
@@ -78,6 +175,7 @@ def make_config(directory: str | os.PathLike[str], *, broker_url: str | None = N
     path.write_text(toml_dumps(data))
     return path
 
+
 class NatsCluster:
     """Three (or n) clustered nats-servers with JetStream, each with its own store dir."""
 
@@ -109,7 +207,7 @@ class NatsCluster:
         for node in self.nodes:
             node.wait_jetstream(timeout)
         self.start_seconds = time.monotonic() - t0
-        _announce(f"nats cluster {self.cluster_name} ({len(self.nodes)} nodes)", self.start_seconds)
+        announce(f"nats cluster {self.cluster_name} ({len(self.nodes)} nodes)", self.start_seconds)
         return self.start_seconds
 
     def start(self, i: int, timeout: float = 60) -> float:
@@ -190,7 +288,7 @@ class PostgresServer:
         self.log_file = self.base / "server.log"
         self.start_seconds: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        _stop_at_exit(self.stop)
+        stop_at_exit(self.stop)
 
     @property
     def url(self) -> str:
@@ -210,14 +308,14 @@ class PostgresServer:
 
     def _initdb(self) -> None:
         self.socket_dir.mkdir(exist_ok=True)
-        _chown_tree(self.base, "postgres")
+        chown_tree(self.base, "postgres")
         with open(self.log_file, "ab") as out:
             proc = self._run_as_postgres(
                 [str(PG_BIN / "initdb"), "-D", str(self.data_dir), "-U", "postgres",
                  "--auth=trust", "-E", "UTF8", "--no-sync", "--no-instructions"],
                 stdout=out, stderr=subprocess.STDOUT)
             if proc.wait(120) != 0:
-                raise RuntimeError("initdb failed:\n" + _log_tail(self.log_file))
+                raise RuntimeError("initdb failed:\n" + log_tail(self.log_file))
 
     def start(self, timeout: float = 60) -> float:
         t0 = time.monotonic()
@@ -236,7 +334,7 @@ class PostgresServer:
         if fresh:
             self.create_database(self.dbname)
         self.start_seconds = time.monotonic() - t0
-        _announce(f"postgres on :{self.port}", self.start_seconds)
+        announce(f"postgres on :{self.port}", self.start_seconds)
         return self.start_seconds
 
     def _accepting(self) -> bool:
@@ -244,7 +342,7 @@ class PostgresServer:
 
         if self._proc is not None and self._proc.poll() is not None:
             raise RuntimeError(f"postgres exited with {self._proc.returncode}:\n"
-                               + _log_tail(self.log_file))
+                               + log_tail(self.log_file))
         try:
             psycopg.connect(self.url_for("postgres"), connect_timeout=2).close()
             return True

@@ -83,7 +83,12 @@ def test_sigkill_worker_midfetch_redelivered_and_respawned(make_crawld, site, tr
                what="respawned worker")
     assert daemon.stop() == 0
     assert daemon.count("results") == 40, "every task exactly one row"
+    assert daemon.count("results", "writes > 1") == 0
     assert daemon.count("dead") == 0
+    # The victim's half-done fetches came back: fetched a second time, by another worker.
+    assert site.total_hits(f"/slow/1/{key}") > 40, "no delivery of the victim was redone"
+    drained = daemon.events("worker_drained")
+    assert sum(e["redelivered"] for e in drained) >= 1, "the broker redelivered nothing"
     died = daemon.events("worker_died")
     assert [e["worker_pid"] for e in died] == [victim]
     assert len(daemon.events("worker_spawned")) == 3

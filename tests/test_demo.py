@@ -6,8 +6,14 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+from crawld_proc import sqlite_rows
 from harness import leftover_processes
+
+
+def _ids(db: Path, sql: str) -> set[str]:
+    return {row[0] for row in sqlite_rows(db, sql)}
 
 
 def test_demo_200_tasks_end_to_end(tmp_path):
@@ -28,6 +34,16 @@ def test_demo_200_tasks_end_to_end(tmp_path):
         assert kind in out
     assert "skipped robots" in out and "dead retries_exhausted" in out
     assert (workdir / "crawld.db").exists() and (workdir / "crawld.log").exists()
+    # The demo's own LOST line is its reconcile; check the database ourselves as well.
+    db = workdir / "crawld.db"
+    outbox = _ids(db, "SELECT task_id FROM outbox")
+    confirmed = _ids(db, "SELECT task_id FROM outbox WHERE state = 'confirmed'")
+    results, dead = _ids(db, "SELECT task_id FROM results"), _ids(db, "SELECT task_id FROM dead")
+    assert len(outbox) == 200 and confirmed == outbox, "every task published and confirmed"
+    assert results | dead == outbox and not results & dead, "each task stored once, or dead"
+    assert len(dead) == always_500
+    assert _ids(db, "SELECT reason FROM dead") == {"retries_exhausted"}
+    assert _ids(db, "SELECT url FROM dead") == _ids(db, "SELECT url FROM outbox WHERE url LIKE '%/500/%'")
     assert "Traceback" not in done.stderr
     time.sleep(0.5)
     assert leftover_processes(str(workdir)) == [], "nothing the demo started is left running"

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import select
+import subprocess
+import sys
 import time
 import uuid
 
@@ -94,8 +97,29 @@ def test_die_worker_after_storing_before_ack_one_duplicate_no_second_row(make_cr
     assert rc == 0
 
 
+def test_die_worker_after_fetch_before_store_one_duplicate_fetch(make_crawld, site, tmp_path):
+    """Fetched but not stored (so not acked): the broker redelivers it and the page is
+    fetched a second time; still one row per task, nothing lost."""
+    daemon = make_crawld("amqp", workers={"count": 1, "threads": 1}, queue={"prefetch": 1},
+                         env={"CRAWLD_TEST_FAULT": "before_store",
+                              "CRAWLD_TEST_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")})
+    key = _key()
+    paths = [f"/fast/{key}-{i}" for i in range(20)]
+    assert daemon.publish([site.url(p) for p in paths]).returncode == 0
+    daemon.start()
+    daemon.wait_finished(20)
+    assert daemon.stop() == 0
+    assert len(daemon.events("worker_died")) == 1
+    assert sorted(site.hits(p) for p in paths) == [1] * 19 + [2], "exactly one duplicate fetch"
+    assert daemon.count("results") == 20 and daemon.count("results", "writes > 1") == 0
+    assert daemon.events("duplicate_skipped") == [], "the first copy never reached the store"
+    rc, rec = daemon.reconcile()
+    assert rc == 0 and rec["lost"] == []
+
+
 def test_die_worker_after_early_ack_loses_the_task(make_crawld, site, tmp_path):
-    """Demonstration (test-only mode): ack before storing, then die -> lost. We never do this."""
+    """Demonstration (tests/faults.py middleware): ack before storing, then die -> lost.
+    crawld itself has no such mode."""
     daemon = make_crawld("amqp", workers={"count": 1, "threads": 1}, queue={"prefetch": 1},
                          env={"CRAWLD_TEST_FAULT": "early_ack",
                               "CRAWLD_TEST_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")})
@@ -110,26 +134,48 @@ def test_die_worker_after_early_ack_loses_the_task(make_crawld, site, tmp_path):
     assert daemon.cli("reconcile").returncode == 1
 
 
-def test_die_worker_right_after_receive_with_auto_ack_loses_tasks(make_crawld, site, tmp_path):
-    """Demonstration (test-only mode): auto_ack pushes everything and a crash loses it all."""
-    daemon = make_crawld("amqp", workers={"count": 1, "threads": 2}, queue={"prefetch": 2},
-                         env={"CRAWLD_TEST_FAULT": "auto_ack,after_receive",
-                              "CRAWLD_TEST_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")})
+# What the reference consumer did wrong, as a plain pika client: auto_ack=True. It prints
+# the task id of the first message it receives, then "fetches" until it is killed.
+AUTO_ACK_CONSUMER = """
+import json, sys, time, pika
+conn = pika.BlockingConnection(pika.URLParameters(sys.argv[1]))
+ch = conn.channel()
+ch.queue_declare(sys.argv[2], durable=True)
+def on_message(ch, method, props, body):
+    print(json.loads(body)["task_id"], flush=True)
+    time.sleep(3600)
+ch.basic_consume(sys.argv[2], on_message, auto_ack=True)
+ch.start_consuming()
+"""
+
+
+def test_die_worker_right_after_receive_with_auto_ack_loses_tasks(make_crawld, site, rabbit):
+    """Demonstration: with auto_ack the broker forgets each message as it pushes it, so a
+    consumer SIGKILLed right after receiving loses everything it was sent, and crawld
+    (manual acks) started afterwards cannot bring those tasks back."""
+    daemon = make_crawld("amqp", workers={"count": 1, "threads": 2}, queue={"prefetch": 2})
     key = _key()
-    assert daemon.publish([site.url(f"/slow/0.2/{key}-{i}") for i in range(40)]).returncode == 0
+    assert daemon.publish([site.url(f"/fast/{key}-{i}") for i in range(40)]).returncode == 0
+    queue = queue_of(daemon)
+    consumer = subprocess.Popen([sys.executable, "-c", AUTO_ACK_CONSUMER, rabbit.url, queue],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([consumer.stdout], [], [], 30)
+        assert ready, "the auto_ack consumer received nothing"
+        received = consumer.stdout.readline().strip()
+    finally:
+        consumer.kill()                      # SIGKILL right after the receive
+        consumer.wait()
     daemon.start()
-    wait_until(lambda: len(daemon.events("worker_died")) == 1, 30, what="the crash")
-    wait_until(lambda: rabbit_depth_zero(daemon), 30, what="queue drained")
-    time.sleep(3)
-    daemon.stop()
+    daemon.wait_workers(1)
+    wait_until(lambda: rabbit.queue_depth(queue) == 0, 30, what="what was left consumed")
+    assert daemon.stop() == 0                # the drain finishes what crawld received
     rc, rec = daemon.reconcile()
-    print(f"\nauto_ack + crash after receive: {len(rec['lost'])} of 40 tasks lost")
-    assert rc == 1 and len(rec["lost"]) >= 1
-
-
-def rabbit_depth_zero(daemon: Crawld) -> bool:
-    status = json.loads(daemon.cli("status", "--json").stdout)
-    return status["broker"].get("depth") == 0
+    print(f"\nauto_ack + kill after receive: {len(rec['lost'])} of 40 tasks lost")
+    assert rc == 1 and received in rec["lost"]
+    assert len(rec["lost"]) + daemon.count("results") == 40 and daemon.count("dead") == 0
+    named = daemon.cli("reconcile")
+    assert named.returncode == 1 and f"lost {received}" in named.stdout
 
 
 def test_die_worker_manual_ack_after_receive_redelivers(make_crawld, site, tmp_path):
@@ -176,17 +222,26 @@ def test_rabbit_restart_during_1000_tasks_loses_nothing(make_crawld, site, rabbi
     assert daemon.publish([site.url(f"/slow/0.05/{key}-{i}") for i in range(1000)]).returncode == 0
     daemon.start()
     wait_until(lambda: daemon.finished() >= 200, 60, what="a fifth done")
+    stored_before = daemon.count("results")
     if how == "stop_app":
         rabbit.stop_app()
         time.sleep(2)
         rabbit.start_app()
     else:
         rabbit.restart()
+    stored_at_restart = daemon.count("results")
+    assert 200 <= stored_before <= stored_at_restart < 1000, "the restart hit mid-run"
     daemon.wait_finished(1000, timeout=180)
     assert daemon.stop() == 0
     rc, rec = daemon.reconcile()
     assert rc == 0 and rec["lost"] == [] and daemon.count("results") == 1000
     assert daemon.events("broker_connection_lost")
+    assert reconnected_workers(daemon) == 2, "both workers came back to the restarted broker"
+
+
+def reconnected_workers(daemon: Crawld) -> int:
+    """Workers that connected again after losing the broker (a later connection generation)."""
+    return len({e["pid"] for e in daemon.events("broker_connected") if e.get("generation", 1) > 1})
 
 
 # -- retry tiers and dead letters -----------------------------------------------------------

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -138,16 +139,23 @@ def test_credentials_dropped_on_origin_change(make) -> None:
 
 # ----------------------------------------------------------------------------- size caps
 def test_content_length_over_cap_rejected_without_reading(make) -> None:
+    release, finished = threading.Event(), threading.Event()
+
     def announces_20mb(h) -> None:
         h.send_response(200)
         h.send_header("Content-Length", str(20 * MB))
         h.end_headers()
         h.wfile.write(b"x" * 1024)
-        time.sleep(3)               # would stall a reader that trusted the announced size
+        release.wait(30)            # would stall a reader that trusted the announced size
+        finished.set()
     with LocalServer({"/": announces_20mb}) as srv:
-        r = make(max_body_bytes=10 * MB).fetch(srv.url("/"))
+        try:
+            r = make(max_body_bytes=10 * MB).fetch(srv.url("/"))
+            stalled_server_still_waiting = not finished.is_set()
+        finally:
+            release.set()
     assert (r.kind, r.reason, r.http_status) == ("failed", "too_large", 200)
-    assert r.elapsed_s < 1.0
+    assert stalled_server_still_waiting and r.elapsed_s < 10.0   # did not wait for the body
 
 
 def test_streamed_body_over_cap_is_cut(make) -> None:
@@ -209,25 +217,33 @@ def test_slow_drip_body_stopped_by_total_deadline(make) -> None:
     with LocalServer({"/": drip_body(0.05)}) as srv:
         r = make(timeout_s=1.0).fetch(srv.url("/"))
     assert (r.kind, r.reason) == ("error", "timeout")
-    assert 0.9 < r.elapsed_s < 2.0, r.elapsed_s          # each recv was fast: only the total deadline fires
+    # each recv was fast: only the total deadline fires (the whole drip would take 500 s)
+    assert 0.9 < r.elapsed_s < 10.0, r.elapsed_s
 
 
 def test_slow_drip_headers_stopped_by_total_deadline(make) -> None:
     with LocalServer({"/": drip_headers(0.05)}) as srv:
         f = make(timeout_s=1.0)
         r = f.fetch(srv.url("/"))
-    assert (r.kind, r.reason) == ("error", "timeout") and r.elapsed_s < 2.0
+    assert (r.kind, r.reason) == ("error", "timeout") and r.elapsed_s < 10.0    # drip: 500 s
 
 
 def test_read_timeout_and_connection_errors(make) -> None:
+    release = threading.Event()
+
     def silent(h) -> None:
-        time.sleep(2)
+        release.wait(30)
     with LocalServer({"/": silent, "/cut": truncated(1000, b"partial")}) as srv:
-        f = make(timeout_s=0.5)
-        slow = f.fetch(srv.url("/"))
-        cut = f.fetch(srv.url("/cut"))
+        try:
+            f = make(timeout_s=0.5)
+            slow = f.fetch(srv.url("/"))
+            answered_before_server = not release.is_set()
+            cut = f.fetch(srv.url("/cut"))
+        finally:
+            release.set()
     refused = make().fetch(f"http://127.0.0.1:{closed_port()}/")
-    assert (slow.kind, slow.reason) == ("error", "timeout") and slow.elapsed_s < 1.5
+    assert (slow.kind, slow.reason) == ("error", "timeout") and answered_before_server
+    assert 0.4 < slow.elapsed_s < 10.0          # the 0.5 s budget, not the 30 s silence
     assert (cut.kind, cut.reason) == ("error", "connection")
     assert (refused.kind, refused.reason) == ("error", "connection")
 
@@ -260,14 +276,17 @@ def test_retry_after_recorded_for_429_and_503(make, tmp_path) -> None:
               "/500": page(b"", 500, {"Retry-After": "7"})}
     with LocalServer(routes) as srv:
         f = make(retry_after_max_s=20, politeness_wait_s=0.0)
+        before = time.time()
         r429 = f.fetch(srv.url("/429"))
         # the host is now backing off: the next request waits, here with no patience at all
         waiting = f.fetch(srv.url("/500"))
+        since_429 = time.time() - before
         assert srv.hits("/500") == 0
         # HTTP-date form, capped by retry_after_max_s (own run_dir: no back-off inherited)
         r503 = make(run_dir=str(tmp_path / "other"), retry_after_max_s=20).fetch(srv.url("/503"))
     assert (r429.kind, r429.http_status, r429.retry_after_s) == ("response", 429, 7.0)
-    assert (waiting.kind, waiting.reason) == ("error", "politeness") and 6 < waiting.retry_after_s <= 7
+    assert (waiting.kind, waiting.reason) == ("error", "politeness")
+    assert 7 - since_429 <= waiting.retry_after_s <= 7     # what is left of the 7 s, however slow we were
     assert (r503.http_status, r503.retry_after_s) == (503, 20.0)
 
 

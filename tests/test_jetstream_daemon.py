@@ -54,7 +54,11 @@ def test_nats_server_killed_and_restarted_midrun_loses_nothing(make_crawld, site
     assert daemon.publish([site.url(f"/slow/0.05/{key}-{i}") for i in range(tasks)]).returncode == 0
     daemon.start()
     wait_until(lambda: daemon.finished() >= tasks // 5, 60, what="a fifth done")
+    workers = set(daemon.worker_pids())
     js_server.kill()
+    stored_at_kill = daemon.count("results")
+    # The kill really lands mid-run: the rest has to come through the restarted server.
+    assert tasks // 5 <= stored_at_kill < tasks
     time.sleep(1.0)
     js_server.restart()
     daemon.wait_finished(tasks, timeout=180)
@@ -62,6 +66,8 @@ def test_nats_server_killed_and_restarted_midrun_loses_nothing(make_crawld, site
     rc, rec = daemon.reconcile()
     assert rc == 0 and rec["lost"] == [] and daemon.count("results") == tasks
     assert daemon.count("dead") == 0
+    reconnected = {e["pid"] for e in daemon.events("broker_reconnected")}
+    assert workers and workers <= reconnected, "every worker came back over a reconnect"
 
 
 def test_always_500_naks_with_delay_then_dead_stream(make_crawld, site, js_server):

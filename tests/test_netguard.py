@@ -1,4 +1,9 @@
-"""SSRF guard: address classes, allow-list, resolve-once, refusals before any connect."""
+"""SSRF guard: address classes, allow-list, resolve-once, refusals before any connect.
+
+Names are resolved by a real DNS server (dnsmasq on 127.0.0.1, tests/dns_server.py) through
+the production resolver (dnspython). A scripted in-process resolver appears only where the
+test is about the guard's own handling of a resolver (its error mapping and its deadline).
+"""
 from __future__ import annotations
 
 import ipaddress
@@ -10,15 +15,27 @@ from urllib3.exceptions import NewConnectionError
 
 from crawld.config import FetchConfig
 from crawld.fetch import Fetcher
-from crawld.fetch.netguard import (GuardedHTTPConnection, NetGuard, Refusal, Target, address_problem,
-                             parse_url)
+from crawld.fetch.netguard import NetGuard, Refusal, Target, address_problem
+from crawld.fetch.pools import GuardedHTTPConnection
+from crawld.fetch.urls import parse_url
+
+from crawld.fetch.resolver import DnsResolver
 
 try:
+    from dns_server import RECORDS, LocalDNS, start_or_skip
     from fetch_servers import (LocalServer, forbid_external_network, make_cert, page, redirect)
 except ImportError:  # tests/ imported as a package
+    from tests.dns_server import RECORDS, LocalDNS, start_or_skip
     from tests.fetch_servers import (LocalServer, forbid_external_network, make_cert, page, redirect)
 
 LOOPBACK = ("127.0.0.0/8",)
+
+
+@pytest.fixture(scope="module")
+def dns_server(tmp_path_factory):
+    server = start_or_skip(str(tmp_path_factory.mktemp("dns")), RECORDS, nxdomain=["nx.test"])
+    yield server
+    server.__exit__()
 
 
 @pytest.fixture(autouse=True)
@@ -26,9 +43,15 @@ def net(monkeypatch):
     return forbid_external_network(monkeypatch)
 
 
-def fetcher(tmp_path, allow=LOOPBACK, **kw) -> Fetcher:
-    cfg = FetchConfig(allow_networks=allow, obey_robots=kw.pop("obey_robots", False), timeout_s=5)
+def fetcher(tmp_path, allow=LOOPBACK, dns_servers=(), **kw) -> Fetcher:
+    cfg = FetchConfig(allow_networks=allow, obey_robots=kw.pop("obey_robots", False), timeout_s=5,
+                      dns_servers=tuple(dns_servers))
     return Fetcher(cfg, pool_size=4, run_dir=str(tmp_path), **kw)
+
+
+def real_guard(server: LocalDNS, allow=(), **kw) -> NetGuard:
+    """The production resolver, asking only ``server``."""
+    return NetGuard(allow, resolver=DnsResolver([server.server], timeout_s=5), **kw)
 
 
 @pytest.mark.parametrize("address, problem", [
@@ -79,7 +102,8 @@ def test_check_refuses(url: str, kind: str, reason: str, net) -> None:
     assert net.blocked == [] and net.connects == []
 
 
-def fake_resolver(table: dict[str, list[str]], calls: list[str] | None = None):
+def scripted_resolver(table: dict[str, list[str]], calls: list[str] | None = None):
+    """In-process stand-in for a resolver; only for the guard's handling of resolver results."""
     def resolve(host: str) -> list[str]:
         if calls is not None:
             calls.append(host)
@@ -89,37 +113,55 @@ def fake_resolver(table: dict[str, list[str]], calls: list[str] | None = None):
     return resolve
 
 
-def test_names_resolving_to_private_addresses_are_refused() -> None:
-    guard = NetGuard(resolver=fake_resolver({
-        "evil.test": ["10.0.0.1"], "meta.test": ["169.254.169.254"], "v6.test": ["::1"],
-        "mapped.test": ["::ffff:192.168.0.1"], "public.test": ["93.184.216.34"]}))
-    for host, address_class in (("evil.test", "private"), ("meta.test", "link_local"),
+def test_names_resolving_to_private_addresses_are_refused_real_dns(dns_server, net) -> None:
+    """Real dnsmasq answers, real dnspython lookups; the guard only classifies, never connects."""
+    guard = real_guard(dns_server)
+    for host, address_class in (("evil.test", "private"), ("rfc1918b.test", "private"),
+                                ("home.test", "private"), ("meta.test", "link_local"),
                                 ("v6.test", "loopback"), ("mapped.test", "ipv4_mapped")):
         decision = guard.check(f"http://{host}/")
         assert isinstance(decision, Refusal), host
-        assert (decision.reason, decision.address_class) == ("private_address", address_class)
+        assert (decision.kind, decision.reason, decision.address_class) == (
+            "skipped", "private_address", address_class), host
+        assert str(ipaddress.ip_address(RECORDS[host][0])) in decision.detail
+        assert dns_server.queries(host, "A") + dns_server.queries(host, "AAAA") >= 1, host
     target = guard.check("http://public.test/a?b=1")       # decision only: never fetched
     assert isinstance(target, Target) and target.ip == "93.184.216.34"
     assert (target.host_header, target.path) == ("public.test", "/a?b=1")
+    guard.close()
+    assert net.connects == [] and net.blocked == [] and net.lookups == []
+    assert net.datagrams and all(d == ("127.0.0.1", dns_server.port) for d in net.datagrams)
 
 
-def test_mixed_answer_pins_to_the_acceptable_address() -> None:
-    guard = NetGuard(resolver=fake_resolver({"mixed.test": ["10.0.0.1", "93.184.216.34"]}))
+def test_mixed_answer_pins_to_the_acceptable_address_real_dns(dns_server) -> None:
+    guard = real_guard(dns_server)
     target = guard.check("https://mixed.test:8443/")
+    guard.close()
     assert isinstance(target, Target)
     assert target.ip == "93.184.216.34" and target.origin == "https://mixed.test:8443"
 
 
-def test_dns_failure_and_timeout_are_transient_errors() -> None:
+def test_guard_maps_resolver_failure_and_hang_to_transient_dns_errors() -> None:
+    """Scripted resolver: the guard's mapping of an OSError, and its own deadline on a hang."""
     def hangs(host: str) -> list[str]:
         time.sleep(2)
         return ["93.184.216.34"]
-    guard = NetGuard(resolver=fake_resolver({}))
+    guard = NetGuard(resolver=scripted_resolver({}))
     assert guard.check("http://nx.test/") == Refusal("error", "dns", "resolving nx.test: no such host nx.test")
     started = time.monotonic()
     decision = NetGuard(resolver=hangs, dns_timeout_s=0.2).check("http://slow.test/")
     assert isinstance(decision, Refusal) and decision.reason == "dns"
     assert time.monotonic() - started < 1.0
+
+
+def test_nxdomain_from_real_dns_is_a_transient_dns_error(dns_server) -> None:
+    guard = real_guard(dns_server)
+    decision = guard.check("http://nx.test/")
+    guard.close()
+    assert isinstance(decision, Refusal)
+    assert (decision.kind, decision.reason) == ("error", "dns")
+    assert decision.detail.startswith("resolving nx.test: ") and "NXDOMAIN" in decision.detail
+    assert dns_server.queries("nx.test") == 1
 
 
 def test_parse_url_normalises_iri_and_idna() -> None:
@@ -161,22 +203,26 @@ def test_redirect_to_private_address_refused_before_connecting(tmp_path, net, lo
     assert all(ipaddress.ip_address(a[0]).is_loopback for a in net.connects)
 
 
-def test_resolves_once_and_connects_to_the_checked_address(tmp_path, net) -> None:
-    """DNS rebinding: the 2nd answer would be private; we never ask twice, never connect to it."""
-    calls: list[str] = []
-    answers = iter([["127.0.0.1"], ["10.0.0.1"]])
-
-    def rebinding(host: str) -> list[str]:
-        calls.append(host)
-        return next(answers)
+def test_resolves_once_and_connects_to_the_checked_address(tmp_path, net, dns_server) -> None:
+    """DNS rebinding, real DNS: one lookup per name, the connection goes to the checked IP;
+    once the name points at a private address, a fresh fetcher refuses it without connecting."""
     with LocalServer({"/": page(b"hello")}) as srv:
-        f = fetcher(tmp_path, resolver=rebinding)
+        f = fetcher(tmp_path, dns_servers=[dns_server.server])
         result = f.fetch(f"http://rebind.test:{srv.port}/")
+        again = f.fetch(f"http://rebind.test:{srv.port}/again")     # within the TTL: cached
         f.close()
         assert (result.kind, result.http_status, result.body) == ("response", 200, b"hello")
-        assert calls == ["rebind.test"] and result.peer_ip == "127.0.0.1"
+        assert again.kind == "response" and result.peer_ip == "127.0.0.1"
+        assert dns_server.wait_queries("rebind.test", 1) == 1
         assert srv.seen[0].headers["Host"] == f"rebind.test:{srv.port}"
+        dns_server.set("rebind.test", ["10.0.0.1"])
+        fresh = fetcher(tmp_path, dns_servers=[dns_server.server])
+        rebound = fresh.fetch(f"http://rebind.test:{srv.port}/")
+        fresh.close()
+        assert (rebound.kind, rebound.reason) == ("skipped", "private_address")
+        assert "10.0.0.1" in rebound.error and len(srv.seen) == 2
     assert net.blocked == [] and net.lookups == []       # no system DNS, no stray connect
+    assert all(ipaddress.ip_address(a[0]).is_loopback for a in net.connects)
 
 
 def test_ipv6_literal_with_allow_list(tmp_path, net) -> None:
@@ -190,12 +236,12 @@ def test_ipv6_literal_with_allow_list(tmp_path, net) -> None:
     assert (ok.kind, ok.body, ok.peer_ip) == ("response", b"six", "::1")
 
 
-def test_https_uses_hostname_for_sni_and_certificate(tmp_path) -> None:
+def test_https_uses_hostname_for_sni_and_certificate(tmp_path, dns_server) -> None:
     pair = make_cert(str(tmp_path), "crawl.test")
     if pair is None:
         pytest.skip("openssl CLI not available")
     with LocalServer({"/": page(b"tls ok")}, tls=pair) as srv:
-        f = fetcher(tmp_path, resolver=fake_resolver({"crawl.test": ["127.0.0.1"]}), ca_certs=pair[0])
+        f = fetcher(tmp_path, dns_servers=[dns_server.server], ca_certs=pair[0])
         ok = f.fetch(f"https://crawl.test:{srv.port}/")
         by_ip = f.fetch(f"https://127.0.0.1:{srv.port}/")     # cert names crawl.test, not the IP
         f.close()
@@ -204,14 +250,18 @@ def test_https_uses_hostname_for_sni_and_certificate(tmp_path) -> None:
     assert (by_ip.kind, by_ip.reason) == ("error", "tls")
 
 
-def test_guard_is_thread_safe_and_caches_dns() -> None:
-    calls: list[str] = []
-    guard = NetGuard(resolver=fake_resolver({"a.test": ["93.184.216.34"]}, calls))
-    threads = [threading.Thread(target=guard.check, args=("http://a.test/",)) for _ in range(8)]
+def test_guard_is_thread_safe_and_caches_dns(dns_server) -> None:
+    """8 threads, then 2 more checks: real queries counted at the server."""
+    guard = real_guard(dns_server)
+    decisions: list = []
+    threads = [threading.Thread(target=lambda: decisions.append(guard.check("http://a.test/")))
+               for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     guard.check("http://a.test/x")
-    assert 1 <= len(calls) <= 8 and guard.check("http://a.test/") and len(calls) <= 8
+    calls = dns_server.wait_queries("a.test", 1)
+    assert 1 <= calls <= 8 and guard.check("http://a.test/") and dns_server.queries("a.test") <= 8
+    assert len(decisions) == 8 and all(isinstance(d, Target) and d.ip == "93.184.216.34" for d in decisions)
     guard.close()

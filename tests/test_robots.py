@@ -13,10 +13,10 @@ from crawld.fetch.robots import MAX_ROBOTS_BYTES, RobotsCache, user_agent_token
 
 try:
     from fetch_servers import (LocalServer, forbid_external_network, page, redirect, robots,
-                               sequence, slow)
+                               sequence)
 except ImportError:  # tests/ imported as a package
     from tests.fetch_servers import (LocalServer, forbid_external_network, page, redirect, robots,
-                                     sequence, slow)
+                                     sequence)
 
 RULES = "User-agent: *\nDisallow: /private\n"
 
@@ -98,12 +98,21 @@ def test_unreachable_robots_is_asked_again_later(make) -> None:
 
 
 def test_robots_timeout_means_unavailable(make) -> None:
-    with LocalServer({"/robots.txt": slow(3.0, b"User-agent: *\nAllow: /\n")}) as srv:
-        f = make(timeout_s=0.5)
-        r = f.fetch(srv.url("/page"))
+    release = threading.Event()
+
+    def stalls(h) -> None:
+        release.wait(30)
+        robots("User-agent: *\nAllow: /\n")(h)
+    with LocalServer({"/robots.txt": stalls}) as srv:
+        try:
+            f = make(timeout_s=0.5)
+            r = f.fetch(srv.url("/page"))
+            answered_before_robots = not release.is_set()
+        finally:
+            release.set()
         assert srv.hits("/page") == 0
     assert (r.kind, r.reason) == ("error", "robots_unavailable")
-    assert "timeout" in r.error and r.elapsed_s < 1.5
+    assert "timeout" in r.error and answered_before_robots and r.elapsed_s < 10.0
 
 
 def test_robots_connection_error_means_unavailable(make) -> None:
@@ -229,15 +238,22 @@ def test_request_rate_becomes_a_delay() -> None:
 def test_waiter_gives_up_at_its_deadline() -> None:
     release = threading.Event()
 
+    fetching = threading.Event()
+
     def fetch(url: str, deadline: float) -> SimpleNamespace:
-        release.wait(3)
+        fetching.set()
+        release.wait(30)
         return fake_result(status=404)
     cache = RobotsCache("crawld", fetch)
-    first = threading.Thread(target=cache.check, args=("http://a.test", "http://a.test/", time.monotonic() + 5))
+    first = threading.Thread(target=cache.check, args=("http://a.test", "http://a.test/", time.monotonic() + 60))
     first.start()
-    time.sleep(0.05)
-    started = time.monotonic()
-    verdict = cache.check("http://a.test", "http://a.test/", time.monotonic() + 0.2)
-    assert verdict.unreachable and time.monotonic() - started < 1
-    release.set()
-    first.join()
+    try:
+        assert fetching.wait(10)
+        started = time.monotonic()
+        verdict = cache.check("http://a.test", "http://a.test/", time.monotonic() + 0.2)
+        elapsed = time.monotonic() - started
+        assert verdict.unreachable and first.is_alive()      # gave up while the fetch still ran
+        assert 0.15 < elapsed < 10
+    finally:
+        release.set()
+        first.join()

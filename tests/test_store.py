@@ -5,6 +5,7 @@ import multiprocessing
 import threading
 import time
 import uuid
+from typing import Any, Callable
 
 import pytest
 
@@ -81,23 +82,38 @@ def test_bodies_content_addressed(store):
     assert store.body_path(digest).read_bytes() == b"hello"
 
 
-def test_many_threads_write_at_once(store):
-    errors = []
+def _in_threads(target: Callable[[int], Any], n: int,
+                while_running: Callable[[], None] = lambda: None) -> list[Any]:
+    """Run ``target(i)`` for i < n at once; each outcome is its return value or the
+    exception it raised, checked by the caller in the main thread (an assert failing
+    inside a thread would not fail the test)."""
+    outcomes: list[Any] = [None] * n
 
-    def writer(n: int) -> None:
+    def run(i: int) -> None:
         try:
-            for i in range(50):
-                store.put_result(_result(f"t{i}", worker=f"w{n}"))
-                store.put_attempt(f"t{i}", n, "u", "e", 500, 1.0, f"w{n}")
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+            outcomes[i] = target(i)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            outcomes[i] = exc
 
-    threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    try:
+        while_running()
+    finally:
+        for t in threads:
+            t.join(60)
+    assert not any(t.is_alive() for t in threads), "a writer hung"
+    return outcomes
+
+
+def test_many_threads_write_at_once(store):
+    def writer(n: int) -> None:
+        for i in range(50):
+            store.put_result(_result(f"t{i}", worker=f"w{n}"))
+            store.put_attempt(f"t{i}", n, "u", "e", 500, 1.0, f"w{n}")
+
+    assert _in_threads(writer, 8) == [None] * 8
     assert store.query("SELECT COUNT(*) FROM results")[0][0] == 50
     assert store.query("SELECT SUM(writes) FROM results")[0][0] == 400
 
@@ -121,26 +137,96 @@ def test_several_processes_write_at_once(store, tmp_path):
     assert store.query("SELECT SUM(writes) FROM results")[0][0] == 400
 
 
-def test_group_commit_is_durable_per_caller_and_isolates_errors(store):
-    store.enable_group_commit(max_batch=64)
-    errors = []
+@pytest.fixture
+def fresh_reader(store, tmp_path):
+    """A second store on the same database: its connections never wrote, so a row it sees
+    is committed, not merely visible inside the writer's own transaction."""
+    reader = open_store(StoreConfig(url=store.url, body_dir=str(tmp_path / "reader")))
+    yield reader
+    reader.close()
 
-    def writer(n: int) -> None:
+
+def _hold_first_batch(store) -> tuple[threading.Event, threading.Event, list[list[str]]]:
+    """Make the committer stop inside its first batch until ``release`` is set, so the
+    writes submitted meanwhile are all committed together in the next batch.
+    Returns (held, release, the task ids of each committed batch)."""
+    group = store._group
+    held, release = threading.Event(), threading.Event()
+    batches: list[list[str]] = []
+    real_commit = group._commit
+
+    def commit(batch):
+        if not held.is_set():
+            held.set()
+            release.wait(30)
+        batches.append([item.params[0] for item in batch])   # task_id is the first column
+        real_commit(batch)
+
+    group._commit = commit
+    return held, release, batches
+
+
+def _wait_queued(store, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while store._group.queue.qsize() < n:
+        assert time.monotonic() < deadline, "writers never queued"
+        time.sleep(0.01)
+
+
+def test_group_commit_is_durable_per_caller_and_isolates_errors(store, fresh_reader):
+    store.enable_group_commit(max_batch=64)
+
+    def writer(n: int) -> list[str]:
+        unseen = []
         for i in range(40):
             store.put_result(_result(f"g{n}-{i}"))
-            # Each caller's row is committed when put_result returns: a fresh read sees it.
-            assert store.has_result(f"g{n}-{i}")
+            # Committed when put_result returns: a fresh connection sees it at once.
+            if not fresh_reader.has_result(f"g{n}-{i}"):
+                unseen.append(f"g{n}-{i}")
+        return unseen
 
-    threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert _in_threads(writer, 8) == [[]] * 8
     assert store.query("SELECT COUNT(*) FROM results")[0][0] == 320
+
+    # One failing statement inside a shared batch: only its caller sees the error.
+    callers, bad_caller = 6, 3
+
+    def caller(n: int) -> bool:
+        row = _result(f"c{n}")
+        if n == bad_caller:
+            row.url = None                 # NOT NULL violation
+        store.put_result(row)
+        return fresh_reader.has_result(f"c{n}")
+
+    held, release, batches = _hold_first_batch(store)
+
+    def release_when_queued() -> None:
+        try:
+            _wait_queued(store, callers)
+        finally:
+            release.set()
+
+    gate = threading.Thread(target=store.put_result, args=(_result("gate"),))
+    gate.start()
+    try:
+        assert held.wait(30)
+        outcomes = _in_threads(caller, callers, while_running=release_when_queued)
+    finally:
+        release.set()
+        gate.join(60)
+    assert batches[0] == ["gate"] and fresh_reader.has_result("gate")
+    assert sorted(batches[1]) == [f"c{n}" for n in range(callers)]   # one batch, bad row in it
+    error = outcomes[bad_caller]
+    assert isinstance(error, Exception) and "null" in str(error).lower() and "url" in str(error)
+    assert [o for n, o in enumerate(outcomes) if n != bad_caller] == [True] * (callers - 1)
+    assert not fresh_reader.has_result(f"c{bad_caller}")
+
+    # The committer keeps working after a failed batch, and a caller alone fails too.
     bad = _result("bad")
     bad.url = None                     # NOT NULL violation: only this caller fails
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match="(?i)null"):
         store.put_result(bad)
     store.put_result(_result("after-bad"))
     assert store.has_result("after-bad") and not store.has_result("bad")
-    assert errors == []
+    assert fresh_reader.has_result("after-bad") and not fresh_reader.has_result("bad")
+    assert store.query("SELECT COUNT(*) FROM results")[0][0] == 320 + 1 + callers - 1 + 1

@@ -42,6 +42,20 @@ def live_generation(daemon: Crawld, generation: int, count: int) -> bool:
                                           for w in workers))
 
 
+def stored_by_worker(daemon: Crawld) -> dict[int, int]:
+    """Rows in results per worker pid (the ``worker`` column is host:pid)."""
+    rows = daemon.store.query("SELECT worker, COUNT(*) FROM results GROUP BY worker")
+    return {int(worker.rsplit(":", 1)[1]): n for worker, n in rows}
+
+
+def stored_by_generation(daemon: Crawld) -> dict[int, int]:
+    generation = {e["worker_pid"]: e["generation"] for e in daemon.events("worker_spawned")}
+    out: dict[int, int] = {}
+    for pid, n in stored_by_worker(daemon).items():
+        out[generation[pid]] = out.get(generation[pid], 0) + n
+    return out
+
+
 def assert_no_redelivery(daemon: Crawld, tasks: int) -> None:
     assert daemon.count("results") == tasks
     assert daemon.count("results", "writes > 1") == 0
@@ -68,9 +82,11 @@ def test_hup_rolls_workers_2_4_1_under_load(make_crawld, site, transport):
     set_count(daemon, 1)
     daemon.send(signal.SIGHUP)
     wait_until(lambda: live_generation(daemon, 3, 1), 60, what="1 worker of generation 3")
-    assert daemon.finished() < tasks, "the roll happened under load"
     daemon.wait_finished(tasks, timeout=120)
     assert daemon.stop() == 0
+    # The rolls happened under load: every generation stored tasks, the last one included
+    # (work was still waiting when the roll to 1 worker had replaced the others).
+    assert sorted(stored_by_generation(daemon)) == [1, 2, 3], stored_by_generation(daemon)
     assert len(daemon.events("worker_retiring")) == 2 + 4
     assert daemon.events("worker_died") == []
     assert_no_redelivery(daemon, tasks)
@@ -89,10 +105,16 @@ def test_ttin_ttou_resize_under_load(make_crawld, site):
     daemon.wait_workers(3)
     daemon.send(signal.SIGTTOU)
     daemon.wait_workers(2)
-    assert daemon.finished() < tasks
     daemon.wait_finished(tasks, timeout=120)
     assert daemon.stop() == 0
     assert daemon.events("worker_died") == []
+    # Resized under load: the two workers TTIN added stored tasks, and so did the one
+    # TTOU retired (it drained, then exited).
+    spawned = [e["worker_pid"] for e in daemon.events("worker_spawned")]
+    retired = [e["worker_pid"] for e in daemon.events("worker_retiring")]
+    stored = stored_by_worker(daemon)
+    assert len(spawned) == 3 and len(retired) == 1 and retired[0] in spawned
+    assert all(stored.get(pid, 0) > 0 for pid in spawned), (spawned, stored)
     assert_no_redelivery(daemon, tasks)
 
 
@@ -123,21 +145,34 @@ def test_stuck_worker_is_replaced(make_crawld, site, tmp_path):
     assert len(daemon.events("worker_spawned")) == 2
 
 
+def start_with_slow_fetches(daemon: Crawld, site, seconds: int, n: int) -> str:
+    """Publish ``n`` pages that take ``seconds``, start, wait until all are being fetched;
+    return the URL prefix of those pages."""
+    prefix = f"/slow/{seconds}/{_key()}"
+    assert daemon.publish([site.url(f"{prefix}-{i}") for i in range(n)]).returncode == 0
+    daemon.start()
+    wait_until(lambda: site.total_hits(prefix) >= n, 30, what="fetches in flight")
+    return prefix
+
+
 def test_quit_is_a_fast_stop(make_crawld, site):
     daemon = make_crawld("amqp", workers={"count": 1, "threads": 4, "drain_timeout_s": 30})
-    key = _key()
-    assert daemon.publish([site.url(f"/slow/5/{key}-{i}") for i in range(4)]).returncode == 0
-    daemon.start()
-    wait_until(lambda: site.total_hits(f"/slow/5/{key}") >= 4, 30, what="fetches in flight")
+    prefix = start_with_slow_fetches(daemon, site, 5, 4)
     started = time.monotonic()
     assert daemon.stop(signal.SIGQUIT) == 0
-    assert time.monotonic() - started < 4, "did not wait for the 5 s fetches"
-    assert daemon.count("results") == 0
+    quit_s = time.monotonic() - started
+    assert daemon.count("results") == 0, "did not wait for the 5 s fetches"
     rc, rec = daemon.reconcile()
     assert rc == 1 and len(rec["lost"]) == 4      # still in the broker: not lost, just pending
+    # The same four fetches in flight again, now stopped with TERM: that drain waits for them.
     daemon.start()
-    daemon.wait_finished(4, timeout=60)
+    wait_until(lambda: site.total_hits(prefix) >= 8, 60, what="fetches in flight again")
+    started = time.monotonic()
     assert daemon.stop() == 0
+    drain_s = time.monotonic() - started
+    assert daemon.count("results") == 4, "TERM finished and stored the in-flight fetches"
+    assert drain_s > 3, f"the drain waited for the 5 s fetches ({drain_s:.1f}s)"
+    assert quit_s < drain_s - 2, f"QUIT ({quit_s:.1f}s) did not wait like a drain ({drain_s:.1f}s)"
     assert daemon.reconcile()[0] == 0
 
 
@@ -204,10 +239,7 @@ def test_worker_that_cannot_boot_stops_the_supervisor_at_once(make_crawld, rabbi
 
 def test_quit_during_graceful_drain_escalates(make_crawld, site):
     daemon = make_crawld("amqp", workers={"count": 1, "threads": 2, "drain_timeout_s": 60})
-    key = _key()
-    assert daemon.publish([site.url(f"/slow/20/{key}-{i}") for i in range(2)]).returncode == 0
-    daemon.start()
-    wait_until(lambda: site.total_hits(f"/slow/20/{key}") >= 2, 30, what="fetches in flight")
+    start_with_slow_fetches(daemon, site, 20, 2)
     daemon.send(signal.SIGTERM)
     time.sleep(1)
     assert daemon.proc.poll() is None, "still draining the 20 s fetches"

@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _open_store(cfg: Config) -> Any:
-    from crawld.store.base import open_store
+    from crawld.store import open_store
     try:
         return open_store(cfg.store)
     except Exception as exc:

@@ -71,6 +71,7 @@ class FetchConfig:
     per_host_delay_s: float = 0.0
     retry_after_max_s: float = 3600.0
     allow_networks: tuple[str, ...] = ()
+    dns_servers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    middleware: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Config:
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
@@ -100,6 +106,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     source_path: str = ""
 
     def replace(self, section: str, **changes: Any) -> "Config":
@@ -260,6 +267,29 @@ def validate(cfg: Config) -> None:
             ipaddress.ip_network(cidr, strict=False)
         except ValueError:
             raise ConfigError(f"fetch.allow_networks: {cidr!r} is not a CIDR network") from None
+    _check_dns_servers(cfg.fetch.dns_servers)
+    _check_importable(cfg.pipeline.middleware, "pipeline.middleware")
+
+
+def _check_importable(specs: tuple[str, ...], key: str) -> None:
+    """Resolve user code at config load, so `crawld run` and `check-config` exit 2
+    on a bad entry instead of every forked worker failing at boot."""
+    if not specs:
+        return
+    from crawld.pipeline.middleware import import_factory   # lazy: it imports this module
+    for spec in specs:
+        import_factory(spec, key)
+
+
+def _check_dns_servers(entries: tuple[str, ...]) -> None:
+    if not entries:
+        return
+    from crawld.fetch.resolver import parse_nameserver   # lazy: crawld.fetch imports this module
+    for entry in entries:
+        try:
+            parse_nameserver(entry)
+        except ValueError as exc:
+            raise ConfigError(f"fetch.dns_servers: {exc}") from None
 
 
 def _url_scheme_fits(broker: BrokerConfig) -> bool:

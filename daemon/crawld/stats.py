@@ -40,15 +40,6 @@ class Stats:
         with self._lock:
             self._values[key] = self._values.get(key, 0) + n
 
-    def set_value(self, key: str, value: float) -> None:
-        with self._lock:
-            self._values[key] = value
-
-    def max_value(self, key: str, value: float) -> None:
-        with self._lock:
-            if value > self._values.get(key, float("-inf")):
-                self._values[key] = value
-
     def get(self, key: str, default: float = 0) -> float:
         with self._lock:
             return self._values.get(key, default)

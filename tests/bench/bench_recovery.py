@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import sys
 import time
 from typing import Any
@@ -60,22 +61,31 @@ def held_by_worker(env: Env, setup: Any, transport: str, nats_url: str, ready: i
     return info["pending"] == ready and info["ack_pending"] == unacked
 
 
+def publish_held_by_a(env: Env, setup: Any, transport: str, urls: list[str], nats_url: str) -> None:
+    """Publish while only worker A runs, and wait until A holds (prefetched) every task."""
+    publish(env, setup, transport, urls, nats_url)
+    wait_until(lambda: held_by_worker(env, setup, transport, nats_url, 0, len(urls)), 30,
+               what="worker A to hold every task")
+
+
+def start_connected_worker(env: Env, setup: Any, tag: str) -> subprocess.Popen:
+    """A foreground worker that has connected to the broker (and so is consuming)."""
+    proc = start_worker(env, setup, tag)
+    if not wait_log_event(setup.dir / f"worker-{tag}.log", "broker_connected", 30):
+        raise RuntimeError(f"worker {tag.upper()} did not connect ({setup.dir})")
+    return proc
+
+
 def kill_case(env: Env, transport: str) -> dict[str, Any]:
     nats = env.new_nats() if transport == "jetstream" else None
     nats_url = nats.url if nats else ""
     setup = crawld_setup(env, "kill", transport=transport, broker_url=nats_url or None,
                          queue={"ack_wait_s": ACK_WAIT_S})
     try:
-        a = start_worker(env, setup, "a")
-        if not wait_log_event(setup.dir / "worker-a.log", "broker_connected", 30):
-            raise RuntimeError(f"worker A did not connect ({setup.dir})")
-        publish(env, setup, transport, [f"{env.site}/hang-once/30/{setup.queue}/{i}" for i in range(TASKS)],
-                nats_url)
-        wait_until(lambda: held_by_worker(env, setup, transport, nats_url, 0, TASKS), 30,
-                   what="worker A to hold every task")
-        b = start_worker(env, setup, "b")
-        if not wait_log_event(setup.dir / "worker-b.log", "broker_connected", 30):
-            raise RuntimeError(f"worker B did not connect ({setup.dir})")
+        a = start_connected_worker(env, setup, "a")
+        urls = [f"{env.site}/hang-once/30/{setup.queue}/{i}" for i in range(TASKS)]
+        publish_held_by_a(env, setup, transport, urls, nats_url)
+        b = start_connected_worker(env, setup, "b")
         time.sleep(0.5)                      # B is idle and consuming
         killed = time.time()
         a.send_signal(signal.SIGKILL)
@@ -99,13 +109,9 @@ def drain_case(env: Env, transport: str, page_s: float = 2.0) -> dict[str, Any]:
     setup = crawld_setup(env, "drain", transport=transport, broker_url=nats_url or None,
                          queue={"ack_wait_s": 60})
     try:
-        a = start_worker(env, setup, "a")
-        if not wait_log_event(setup.dir / "worker-a.log", "broker_connected", 30):
-            raise RuntimeError(f"worker A did not connect ({setup.dir})")
-        publish(env, setup, transport, [f"{env.site}/slow/{page_s:g}/{setup.queue}/{i}" for i in range(TASKS)],
-                nats_url)
-        wait_until(lambda: held_by_worker(env, setup, transport, nats_url, 0, TASKS), 30,
-                   what="worker A to hold every task")
+        a = start_connected_worker(env, setup, "a")
+        urls = [f"{env.site}/slow/{page_s:g}/{setup.queue}/{i}" for i in range(TASKS)]
+        publish_held_by_a(env, setup, transport, urls, nats_url)
         publish(env, setup, transport, [f"{env.site}/fast/{setup.queue}/extra{i}" for i in range(TASKS)],
                 nats_url)
         time.sleep(0.5)                      # fetches well under way, extras waiting in the broker

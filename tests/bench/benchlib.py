@@ -36,7 +36,7 @@ for _p in (str(TESTS_DIR), str(BENCH_DIR)):
 
 from harness import NatsServer, RabbitNode, free_port, make_config, wait_until  # noqa: E402,F401
 
-from crawld.devtools.servers import children_of  # noqa: E402
+from crawld.devtools.procs import children_of  # noqa: E402
 
 PY = sys.executable
 CRAWLD = [PY, "-m", "crawld"]

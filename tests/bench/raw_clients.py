@@ -24,6 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Callable
 
 
 def amqp_consume(args: argparse.Namespace) -> dict:
@@ -121,6 +122,12 @@ def http_loop(args: argparse.Namespace) -> dict:
         pool = urllib3.PoolManager(maxsize=args.threads, retries=False)
         get = lambda url: pool.request("GET", url).status  # noqa: E731
     get(args.url_prefix + "warmup")
+    return counted_threads(args, lambda n: get(f"{args.url_prefix}{n}") == 200)
+
+
+def counted_threads(args: argparse.Namespace, one: Callable[[int], bool]) -> dict:
+    """Run ``one(n)`` for n = 1..args.count on ``args.threads`` threads (stopping at
+    ``args.max_seconds``); ``one`` returns False for a failure."""
     lock = threading.Lock()
     issued = [0]
     failures = [0]
@@ -133,7 +140,7 @@ def http_loop(args: argparse.Namespace) -> dict:
                     return
                 issued[0] += 1
                 n = issued[0]
-            if get(f"{args.url_prefix}{n}") != 200:
+            if not one(n):
                 with lock:
                     failures[0] += 1
 
@@ -157,36 +164,23 @@ def store_loop(args: argparse.Namespace) -> dict:
     store.init_schema()
     if hasattr(store, "enable_group_commit"):
         store.enable_group_commit()           # as run_worker does
-    lock = threading.Lock()
-    issued = [0]
-    deadline = time.monotonic() + args.max_seconds
 
-    def worker() -> None:
-        while True:
-            with lock:
-                if issued[0] >= args.count or time.monotonic() > deadline:
-                    return
-                issued[0] += 1
-                n = issued[0]
-            task_id = f"{args.prefix}{n:08d}"
-            url = f"http://127.0.0.1/fast/{task_id}"
-            body = f"<html><body>page {url}</body></html>".encode()
-            store.has_result(task_id)
-            digest = store.save_body(body)
-            store.put_result(ResultRow(task_id=task_id, url=url, final_url=url, status="fetched",
-                                       http_status=200, reason="", content_type="text/html",
-                                       bytes=len(body), body_sha256=digest, attempts=1,
-                                       fetched_at=time.time(), worker="store-loop"))
+    def one(n: int) -> bool:
+        task_id = f"{args.prefix}{n:08d}"
+        url = f"http://127.0.0.1/fast/{task_id}"
+        body = f"<html><body>page {url}</body></html>".encode()
+        store.has_result(task_id)
+        digest = store.save_body(body)
+        store.put_result(ResultRow(task_id=task_id, url=url, final_url=url, status="fetched",
+                                   http_status=200, reason="", content_type="text/html",
+                                   bytes=len(body), body_sha256=digest, attempts=1,
+                                   fetched_at=time.time(), worker="store-loop"))
+        return True
 
-    threads = [threading.Thread(target=worker) for _ in range(args.threads)]
-    first, started = time.time(), time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - started
+    out = counted_threads(args, one)
     store.close()
-    return {"count": issued[0], "seconds": seconds, "first": first, "last": first + seconds}
+    del out["failures"]             # store-loop's report never had one: its calls raise
+    return out
 
 
 def baseline(args: argparse.Namespace) -> dict:

@@ -22,11 +22,12 @@ from typing import Any, Iterator
 
 from crawld.config import load_config
 from crawld.devtools import servers as embedded
-from crawld.devtools.servers import RABBITMQ_SERVER, NatsServer, RabbitNode, children_of
+from crawld.devtools.procs import children_of
+from crawld.devtools.servers import RABBITMQ_SERVER, NatsServer, RabbitNode
+from crawld.devtools.testsite import TestSite
 from crawld.ops.reconcile import format_reconciliation, reconcile
 from crawld.ops.status import collect, format_status
-from crawld.store.base import Store, open_store
-from crawld.devtools.testsite import TestSite
+from crawld.store import Store, open_store
 
 ACK_WAIT_S = 2.0            # the slow pages take longer: in_progress keeps them alive
 SLOW_PAGE_S = 3.0

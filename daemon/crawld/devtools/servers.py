@@ -1,9 +1,11 @@
 """Private broker processes on free loopback ports: RabbitMQ and nats-server.
 
-Used by `crawld demo` (so a newcomer needs no broker installed) and by the test
-harness. Each server gets its own ports and temp directory, binds 127.0.0.1 only,
-and is stopped by ``stop()`` (and, as a safety net, at interpreter exit).
+Used by `crawld demo` (so a newcomer needs no broker installed); the test harness
+(tests/harness.py) subclasses them with what only tests need (outages, queue
+inspection, PostgreSQL). Each server gets its own ports and temp directory, binds
+127.0.0.1 only, and is stopped by ``stop()`` (and, as a safety net, at interpreter exit).
 """
+from __future__ import annotations
 
 import asyncio
 import atexit
@@ -19,25 +21,18 @@ import sysconfig
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 import pika
+
+from crawld.devtools.procs import kill_leftovers, kill_pid, leftover_processes, read_proc
 
 
 T = TypeVar("T")
 
 RABBITMQ_SERVER = "/usr/sbin/rabbitmq-server"
 RABBITMQCTL = "/usr/sbin/rabbitmqctl"
-def _newest_pg_bin() -> Path:
-    """Debian installs PostgreSQL under /usr/lib/postgresql/<major>/bin (15 on bookworm)."""
-    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"),
-                   key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0)
-    return found[-1].parent if found else Path("/usr/lib/postgresql/15/bin")
-
-
-PG_BIN = _newest_pg_bin()
 # rabbitmqctl picks its own Erlang distribution port in this range; never hand it out.
 CTL_DIST_PORTS = range(35672, 35683)
 
@@ -97,27 +92,23 @@ def run_async(coro: Awaitable[T]) -> T:
     return box["value"]
 
 
-def _log_tail(path: Path, lines: int = 30) -> str:
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The end of a server's log, for the error that says why it did not start."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
 
 
-def _chown_tree(root: Path, user: str) -> None:
-    # Servers that drop privileges (rabbitmq, postgres) must own every dir they write to.
+def chown_tree(root: Path, user: str) -> None:
+    """Servers that drop privileges (rabbitmq, postgres) must own every dir they write to."""
     shutil.chown(root, user, user)
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             shutil.chown(os.path.join(dirpath, name), user, user)
 
 
-def _kill_pid(pid: int, sig: int = signal.SIGKILL) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
-
-
-def _stop_at_exit(stop: Callable[[], None]) -> None:
+def stop_at_exit(stop: Callable[[], None]) -> None:
     """Safety net for an interrupted session, but only in the process that started the
     server: a forked child (e.g. a supervisor test) inherits atexit hooks and must not
     stop the session's servers when it exits."""
@@ -134,110 +125,11 @@ def _stop_at_exit(stop: Callable[[], None]) -> None:
 ANNOUNCE = True     # the test harness prints start times; `crawld demo` prints its own
 
 
-def _announce(what: str, seconds: float) -> None:
+def announce(what: str, seconds: float) -> None:
+    """One line on stderr per server start: slow boots show up in every test log."""
     if not ANNOUNCE:
         return
     print(f"[crawld] {what} started in {seconds:.2f}s", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------
-# process inspection (for "nothing is left behind" tests)
-# ---------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------
-# RabbitMQ
-
-# -- process inspection (what did we leave behind?) ------------------------------------
-@dataclass(frozen=True)
-class ProcInfo:
-    pid: int
-    ppid: int
-    name: str
-    state: str
-    cmdline: str
-
-
-def _read_proc(pid: int) -> tuple[ProcInfo, bytes] | None:
-    base = f"/proc/{pid}"
-    try:
-        with open(f"{base}/stat", "rb") as fh:
-            stat = fh.read().decode(errors="replace")
-        with open(f"{base}/cmdline", "rb") as fh:
-            cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        try:
-            with open(f"{base}/environ", "rb") as fh:
-                environ = fh.read()
-        except OSError:
-            environ = b""
-    except OSError:
-        return None  # gone meanwhile
-    # stat is "pid (comm) state ppid ..."; comm may contain spaces and parentheses.
-    name = stat[stat.index("(") + 1:stat.rindex(")")]
-    state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-    return ProcInfo(pid, int(ppid), name, state, cmdline), environ
-
-
-def children_of(pid: int) -> list[int]:
-    """Live (non-zombie) child pids of ``pid``, from /proc."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(entry))
-    return sorted(out)
-
-
-def list_processes() -> list[tuple[ProcInfo, bytes]]:
-    """Every process with its raw environment (readable for all processes when root)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = _read_proc(int(entry))
-            if info is not None:
-                found.append(info)
-    return found
-
-
-def leftover_processes(pattern: str, names: tuple[str, ...] = ()) -> list[ProcInfo]:
-    """Live processes whose command line or environment contains ``pattern``, plus all
-    their descendants (PostgreSQL children rewrite their argv, so only the tree finds them).
-
-    Zombies are ignored: PID 1 in this VM does not reap orphans, and a zombie holds no
-    port, file or memory. ``names`` optionally keeps only those process names.
-    """
-    procs = list_processes()
-    needle = pattern.encode()
-    me = os.getpid()
-    matched = {
-        info.pid for info, env in procs
-        if info.pid != me and (pattern in info.cmdline or needle in env)
-    }
-    children: dict[int, list[int]] = {}
-    for info, _ in procs:
-        children.setdefault(info.ppid, []).append(info.pid)
-    stack = list(matched)
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in matched and child != me:
-                matched.add(child)
-                stack.append(child)
-    return [
-        info for info, _ in procs
-        if info.pid in matched and info.state != "Z" and (not names or info.name in names)
-    ]
-
-
-def kill_leftovers(pattern: str) -> None:
-    for info in leftover_processes(pattern):
-        _kill_pid(info.pid)
-
 
 
 # ---------------------------------------------------------------------------------------
@@ -264,7 +156,7 @@ class RabbitNode:
         self.start_seconds: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._write_files()
-        _stop_at_exit(self.stop)
+        stop_at_exit(self.stop)
 
     # -- setup -----------------------------------------------------------------------
     def _write_files(self) -> None:
@@ -275,7 +167,7 @@ class RabbitNode:
         if self.consumer_timeout_ms is not None:
             conf.append(f"consumer_timeout = {self.consumer_timeout_ms}")
         (self.base / "rabbitmq.conf").write_text("\n".join(conf) + "\n" + self.extra_conf)
-        _chown_tree(self.base, "rabbitmq")
+        chown_tree(self.base, "rabbitmq")
 
     @property
     def env(self) -> dict[str, str]:
@@ -316,17 +208,18 @@ class RabbitNode:
             stderr=subprocess.STDOUT, start_new_session=True, cwd=self.base,
         )
         out.close()
-        self._wait_amqp(timeout)
+        self.wait_amqp(timeout)
         self.ctl("await_startup", timeout=timeout)
         self.start_seconds = time.monotonic() - t0
-        _announce(f"rabbitmq {self.nodename} on :{self.port}", self.start_seconds)
+        announce(f"rabbitmq {self.nodename} on :{self.port}", self.start_seconds)
         return self.start_seconds
 
-    def _wait_amqp(self, timeout: float) -> None:
+    def wait_amqp(self, timeout: float) -> None:
+        """Wait until a client can connect; raise at once if the server exited."""
         def ready() -> bool:
             if self._proc is not None and self._proc.poll() is not None:
                 raise RuntimeError(f"rabbitmq-server exited with {self._proc.returncode}:\n"
-                                   + _log_tail(self.log_file))
+                                   + log_tail(self.log_file))
             return port_open(self.port) and self.amqp_ok()
 
         wait_until(ready, timeout, interval=0.1, what=f"AMQP on :{self.port}")
@@ -346,7 +239,7 @@ class RabbitNode:
             pid = int((self.base / "rabbit.pid").read_text().strip())
         except (OSError, ValueError):
             return None
-        found = _read_proc(pid)
+        found = read_proc(pid)
         if found is None:
             return None
         info, environ = found
@@ -367,43 +260,30 @@ class RabbitNode:
                                f"{result.stderr.strip() or result.stdout.strip()}")
         return result
 
-    def stop_app(self, timeout: float = 30) -> None:
-        """Stop the RabbitMQ application (the Erlang node stays up); AMQP goes away."""
-        self.ctl("stop_app", timeout=timeout)
-        wait_until(lambda: not port_open(self.port), timeout, what="AMQP listener to close")
-
-    def start_app(self, timeout: float = 60) -> None:
-        self.ctl("start_app", timeout=timeout)
-        self._wait_amqp(timeout)
-
-    def restart(self, timeout: float = 60) -> float:
-        """Full node stop and start on the same dirs and port (durable data survives)."""
-        self._shutdown(timeout=timeout)
-        return self.start(timeout)
-
     def kill(self) -> None:
         """SIGKILL the beam process: a broker crash, nothing flushed on the way out."""
         pid = self.beam_pid()
         if pid is not None:
-            _kill_pid(pid)
+            kill_pid(pid)
         else:  # beam has not written its pid file yet: kill the node's whole tree
             kill_leftovers(self.marker)
         self._reap(timeout=15)
 
     def stop(self, cleanup: bool = True) -> None:
         """Graceful stop (SIGTERM = init:stop), then SIGKILL; stop our epmd; remove dirs."""
-        self._shutdown(timeout=30)
+        self.shutdown(timeout=30)
         self._kill_epmd()
         kill_leftovers(self.marker)
         if cleanup:
             shutil.rmtree(self.base, ignore_errors=True)
 
-    def _shutdown(self, timeout: float) -> None:
+    def shutdown(self, timeout: float) -> None:
+        """Stop the node (SIGTERM, SIGKILL if it hangs); its epmd and files stay."""
         pid = self.beam_pid()
         if self._proc is None or self._proc.poll() is not None or pid is None:
             self.kill()  # not running (make sure) or too early in boot for a clean stop
             return
-        _kill_pid(pid, signal.SIGTERM)  # Erlang/OTP treats SIGTERM as a clean init:stop()
+        kill_pid(pid, signal.SIGTERM)  # Erlang/OTP treats SIGTERM as a clean init:stop()
         try:
             self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -425,55 +305,7 @@ class RabbitNode:
         # Our epmd is private (ERL_EPMD_PORT), so no other node can be using it.
         subprocess.run(["epmd", "-kill"], env=self.env, capture_output=True, timeout=10)
         for info in leftover_processes(self.marker, names=("epmd",)):
-            _kill_pid(info.pid)
-
-    # -- queue helpers -----------------------------------------------------------------
-    @contextlib.contextmanager
-    def channel(self) -> Iterator[pika.adapters.blocking_connection.BlockingChannel]:
-        """A fresh connection + channel, closed on exit."""
-        conn = pika.BlockingConnection(pika.URLParameters(self.url))
-        try:
-            yield conn.channel()
-        finally:
-            with contextlib.suppress(pika.exceptions.AMQPError):
-                conn.close()
-
-    def queue_depth(self, name: str) -> int:
-        """Ready messages in ``name`` (passive declare; raises if the queue is missing)."""
-        with self.channel() as ch:
-            return ch.queue_declare(name, passive=True).method.message_count
-
-    def list_queues(self) -> dict[str, int]:
-        """``{queue name: ready messages}`` for the default vhost."""
-        out = self.ctl("list_queues", "--quiet", "--no-table-headers", "name", "messages_ready").stdout
-        queues = {}
-        for line in out.splitlines():
-            name, _, count = line.rpartition("\t")
-            if name:
-                queues[name] = int(count)
-        return queues
-
-    def purge_all(self) -> None:
-        with self.channel() as ch:
-            for name in self.list_queues():
-                ch.queue_purge(name)
-
-    def delete_queues(self, prefix: str = "") -> list[str]:
-        """Delete every queue whose name starts with ``prefix``; return their names."""
-        names = [n for n in self.list_queues() if n.startswith(prefix)]
-        with self.channel() as ch:
-            for name in names:
-                ch.queue_delete(name)
-        return names
-
-    def delete_exchanges(self, prefix: str) -> list[str]:
-        """Delete our own exchanges (never the built-in ``amq.*`` / default ones)."""
-        out = self.ctl("list_exchanges", "--quiet", "--no-table-headers", "name").stdout
-        names = [n for n in out.splitlines() if n and n.startswith(prefix) and not n.startswith("amq.")]
-        with self.channel() as ch:
-            for name in names:
-                ch.exchange_delete(name)
-        return names
+            kill_pid(info.pid)
 
 
 # ---------------------------------------------------------------------------------------
@@ -537,7 +369,7 @@ class NatsServer:
         self.log_file = self.base / "server.log"
         self.start_seconds: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        _stop_at_exit(self.close)
+        stop_at_exit(self.close)
 
     @property
     def url(self) -> str:
@@ -567,13 +399,13 @@ class NatsServer:
         if wait_jetstream:
             self.wait_jetstream(timeout)
         self.start_seconds = time.monotonic() - t0
-        _announce(f"nats-server {self.server_name} on :{self.port}", self.start_seconds)
+        announce(f"nats-server {self.server_name} on :{self.port}", self.start_seconds)
         return self.start_seconds
 
     def _listening(self) -> bool:
         if self._proc is not None and self._proc.poll() is not None:
             raise RuntimeError(f"nats-server exited with {self._proc.returncode}:\n"
-                               + _log_tail(self.log_file))
+                               + log_tail(self.log_file))
         return port_open(self.port)
 
     def wait_jetstream(self, timeout: float = 30) -> None:
@@ -584,14 +416,10 @@ class NatsServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def kill(self) -> None:
-        """SIGKILL: a crash without any flush or goodbye."""
-        self._signal_and_wait(signal.SIGKILL, timeout=10)
-
     def stop(self, timeout: float = 10, cleanup: bool = False) -> None:
         """SIGTERM (clean shutdown), SIGKILL if it hangs. ``cleanup`` removes the store."""
         if self.running:
-            self._signal_and_wait(signal.SIGTERM, timeout)
+            self.signal_and_wait(signal.SIGTERM, timeout)
         if cleanup:
             shutil.rmtree(self.base, ignore_errors=True)
 
@@ -599,12 +427,8 @@ class NatsServer:
         """Stop and remove all files (end of a fixture)."""
         self.stop(cleanup=True)
 
-    def restart(self, timeout: float = 30) -> float:
-        """Stop and start on the same store dir and port (file streams survive)."""
-        self.stop()
-        return self.start(timeout)
-
-    def _signal_and_wait(self, sig: int, timeout: float) -> None:
+    def signal_and_wait(self, sig: int, timeout: float) -> None:
+        """Send ``sig`` and wait for the exit; SIGKILL if it takes longer than ``timeout``."""
         if self._proc is None or self._proc.poll() is not None:
             return
         self._proc.send_signal(sig)

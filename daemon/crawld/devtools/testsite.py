@@ -248,15 +248,6 @@ class TestSite:
         """Forget hits and concurrency peaks (requests in flight keep counting)."""
         self._stats.reset()
 
-    def sample_urls(self, key: str = "demo") -> list[str]:
-        """One URL of each kind, for ``crawld demo`` and smoke tests."""
-        paths = [
-            f"/fast/{key}/1", f"/fast/{key}/2", f"/fast/{key}/3",
-            f"/slow/1/{key}", f"/404/{key}", f"/flaky/1/{key}",
-            f"/redirect/2/{key}", f"/private/{key}", f"/500/{key}",
-        ]
-        return [self.url(p) for p in paths]
-
     def _track(self, conn: socket.socket, add: bool) -> None:
         with self._conns_lock:
             (self._conns.add if add else self._conns.discard)(conn)

@@ -5,19 +5,16 @@ Contract used by the worker (keep it stable):
     result: FetchResult = fetcher.fetch(url)      # never raises for network problems
     fetcher.close()
 
-``FetchResult.kind`` is one of:
-    "response" -- an HTTP response was received (any status); redirects already followed;
-                  ``redirects`` = chain length, ``final_url`` = last URL, ``retry_after_s``
-                  set for 429/503 (seconds or HTTP-date, capped by retry_after_max_s)
-    "skipped"  -- policy refused it (reason: robots, scheme, private_address, out_of_scope)
-    "error"    -- transient: timeout, connection, dns, tls, proxy, robots_unavailable, politeness
-                  (politeness: no host slot within ``politeness_wait_s``; ``retry_after_s``
-                  then carries the wait we know of, if any)
-    "failed"   -- permanent, not HTTP: too_large, redirect_loop, too_many_redirects, bad_url,
-                  bad_encoding (the Content-Encoding could not be decoded)
+``FetchResult.kind`` / ``.reason`` use the vocabulary of reasons.py (its table says which
+reasons go with which kind). For a "response" (any HTTP status) redirects are already
+followed: ``redirects`` = chain length, ``final_url`` = last URL, ``retry_after_s`` set for
+429/503 (seconds or HTTP-date, capped by retry_after_max_s). An "error"/"politeness" means
+no host slot within ``politeness_wait_s``; ``retry_after_s`` then carries the wait we know
+of, if any. "failed"/"bad_encoding": the Content-Encoding could not be decoded.
 
 What one ``fetch(url)`` does, per hop of the redirect chain:
-  1. NetGuard: http(s) only, resolve once, refuse private/loopback/... (netguard.py);
+  1. NetGuard: http(s) only, resolve once (resolver.py), refuse private/loopback/...
+     (netguard.py), connect only to the checked address (pools.py);
   2. robots.txt of the hop's origin, RFC 9309 (robots.py), unless obey_robots is false;
   3. a host-wide politeness slot and start time (politeness.py);
   4. GET to the checked IP with Host/SNI = hostname; our code follows redirects (every
@@ -25,47 +22,49 @@ What one ``fetch(url)`` does, per hop of the redirect chain:
   5. the body is streamed and decoded (gzip, deflate, br) with a cap on the *decoded*
      size: urllib3 >= 2.6 bounds each decompression step, so a bomb costs at most the cap.
 ``timeout_s`` is a wall-clock budget for the network work of the task (DNS, connect,
-robots.txt, every hop, the body), enforced by a watchdog that cuts the socket; time
-spent waiting for a politeness slot is bounded separately by ``politeness_wait_s``.
+robots.txt, every hop, the body), enforced by a watchdog that cuts the socket
+(deadline.py); time spent waiting for a politeness slot is bounded separately by
+``politeness_wait_s``.
 Counters use Scrapy's stat names (stats.py).
 """
 from __future__ import annotations
 
 import base64
-import email.utils
 import http.client
-import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urljoin
 
 import urllib3
-from urllib3.exceptions import (DecodeError, HTTPError, LocationValueError, NameResolutionError,
-                                NewConnectionError, ProxyError, SSLError)
-from urllib3.exceptions import TimeoutError as Urllib3Timeout
+from urllib3.exceptions import HTTPError
 
 from crawld.config import FetchConfig
-from crawld.fetch.netguard import (BadURL, DeadlineScope, NetGuard, Refusal, Resolver, Target,
-                       connection_pool, deadline_scope, make_pool_manager, parse_url)
+from crawld.fetch.deadline import DeadlineScope, deadline_scope
+from crawld.fetch.netguard import NetGuard, Refusal, Target
 from crawld.fetch.politeness import HostLimiter, PolitenessTimeout
+from crawld.fetch.pools import connection_pool, make_pool_manager
+from crawld.fetch.reasons import Kind, Reason
+from crawld.fetch.resolver import DnsResolver, Resolver
+from crawld.fetch.responses import (classify_exception, content_length, discard, finish,
+                                    parse_retry_after)
 from crawld.fetch.robots import MAX_ROBOTS_BYTES, RobotsCache
+from crawld.fetch.urls import BadURL, parse_url
 from crawld.stats import Stats
 
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 ROBOTS_MAX_REDIRECTS = 5            # RFC 9309: follow at least five
 CHUNK = 64 * 1024
-DRAIN_LIMIT = 64 * 1024             # redirect bodies up to this are read to keep the connection
 ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"   # Scrapy's default
 
 
 @dataclass
 class FetchResult:
-    kind: str
+    kind: str                                        # a reasons.Kind
     url: str
     final_url: str = ""
     http_status: int | None = None
-    reason: str = ""
+    reason: str = ""                                 # a reasons.Reason
     error: str = ""
     content_type: str = ""
     body: bytes = b""
@@ -98,6 +97,7 @@ class Fetcher:
                  ca_certs: str | None = None) -> None:
         self.cfg = cfg
         self.stats = stats if stats is not None else Stats()
+        resolver = resolver or DnsResolver(cfg.dns_servers, timeout_s=cfg.connect_timeout_s)
         self.guard = NetGuard(cfg.allow_networks, resolver=resolver,
                               dns_timeout_s=cfg.connect_timeout_s)
         self.pool = make_pool_manager(pool_size, **({"ca_certs": ca_certs} if ca_certs else {}))
@@ -161,22 +161,22 @@ class Fetcher:
         location = urljoin(target.url, redirect.location.strip())
 
         def failed(reason: str, error: str) -> FetchResult:
-            return FetchResult("failed", url, final_url=target.url, http_status=redirect.status,
+            return FetchResult(Kind.FAILED, url, final_url=target.url, http_status=redirect.status,
                                reason=reason, error=error, redirects=hops, chain=chain)
         try:
             normalised = parse_url(location).url
         except BadURL as exc:
-            return failed("bad_url", f"redirect to {location!r}: {exc}")
+            return failed(Reason.BAD_URL, f"redirect to {location!r}: {exc}")
         if normalised in chain:
-            return failed("redirect_loop", f"{target.url} redirects back to {normalised} "
+            return failed(Reason.REDIRECT_LOOP, f"{target.url} redirects back to {normalised} "
                           f"after {hops + 1} redirect(s)")
         if hops >= max_redirects:
-            return failed("too_many_redirects", f"more than {max_redirects} redirects "
+            return failed(Reason.TOO_MANY_REDIRECTS, f"more than {max_redirects} redirects "
                           f"(next: {normalised})")
         return location
 
     def _refused(self, url: str, current: str, refusal: Refusal, chain: list[str]) -> FetchResult:
-        if refusal.kind == "skipped":
+        if refusal.kind == Kind.SKIPPED:
             self.stats.inc(f"netguard/refused/{refusal.reason}")
         if refusal.address_class:
             self.stats.inc(f"netguard/address_class_count/{refusal.address_class}")
@@ -189,9 +189,9 @@ class Fetcher:
         if obey_robots and self.robots is not None:
             verdict = self.robots.check(target.origin, target.url, task.deadline)
             if verdict.unreachable:
-                return FetchResult("error", target.url, reason=verdict.reason, error=verdict.detail)
+                return FetchResult(Kind.ERROR, target.url, reason=verdict.reason, error=verdict.detail)
             if not verdict.allowed:
-                return FetchResult("skipped", target.url, reason="robots",
+                return FetchResult(Kind.SKIPPED, target.url, reason=Reason.ROBOTS,
                                    error=f"disallowed by {target.origin}/robots.txt")
         if time.monotonic() >= task.deadline:
             return self._timeout(target, "deadline reached before the request")
@@ -201,7 +201,7 @@ class Fetcher:
                                         min_delay_s=delay or 0.0)
         except PolitenessTimeout as exc:
             self.stats.inc("politeness/timeout")
-            return FetchResult("error", target.url, reason="politeness", error=str(exc),
+            return FetchResult(Kind.ERROR, target.url, reason=Reason.POLITENESS, error=str(exc),
                                retry_after_s=exc.retry_in_s)
         task.deadline += slot.waited_s  # waiting for our turn is not network time
         try:
@@ -230,7 +230,7 @@ class Fetcher:
                 return self._network_error(exc, target, scope)
             finally:
                 if resp is not None:
-                    _finish(resp)
+                    finish(resp)
 
     def _handle(self, resp: Any, target: Target, scope: DeadlineScope, max_bytes: int,
                 truncate: bool) -> FetchResult | _Redirect:
@@ -239,7 +239,7 @@ class Fetcher:
         self.stats.inc(f"downloader/response_status_count/{status}")
         location = resp.headers.get("Location")
         if status in REDIRECT_STATUSES and location:
-            _discard(resp)
+            discard(resp)
             return _Redirect(status, location)
         retry_after = None
         if status in (429, 503):
@@ -250,17 +250,17 @@ class Fetcher:
         if scope.fired:     # the watchdog cut the socket: any body we have may be partial
             return self._timeout(target, f"total deadline of {self.cfg.timeout_s:g}s exceeded")
         if too_large:
-            return FetchResult("failed", target.url, http_status=status, reason="too_large",
+            return FetchResult(Kind.FAILED, target.url, http_status=status, reason=Reason.TOO_LARGE,
                                error=f"body larger than {max_bytes} bytes (decoded)",
                                peer_ip=target.ip)
-        return FetchResult("response", target.url, http_status=status,
+        return FetchResult(Kind.RESPONSE, target.url, http_status=status,
                            content_type=resp.headers.get("Content-Type", ""), body=body,
                            retry_after_s=retry_after, headers=dict(resp.headers), peer_ip=target.ip)
 
     def _read_body(self, resp: Any, max_bytes: int, truncate: bool) -> tuple[bytes, bool]:
         """Stream and decode at most ``max_bytes``; (body, too_large). ``truncate``: cut, no error."""
         encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
-        declared = _content_length(resp)
+        declared = content_length(resp)
         if not truncate and encoding in ("", "identity") and declared is not None and declared > max_bytes:
             return b"", True        # early reject: do not download what we would throw away
         buf = bytearray()
@@ -292,7 +292,7 @@ class Fetcher:
         return FetchResult(kind, target.url, reason=reason, error=str(exc), peer_ip=target.ip)
 
     def _timeout(self, target: Target, error: str) -> FetchResult:
-        return FetchResult("error", target.url, reason="timeout", error=error, peer_ip=target.ip)
+        return FetchResult(Kind.ERROR, target.url, reason=Reason.TIMEOUT, error=error, peer_ip=target.ip)
 
     # -- robots.txt ----------------------------------------------------------------------
     def _fetch_robots(self, url: str, deadline: float) -> FetchResult:
@@ -300,43 +300,6 @@ class Fetcher:
         return self._follow(url, _Task(deadline), obey_robots=False,
                             max_redirects=ROBOTS_MAX_REDIRECTS, max_bytes=MAX_ROBOTS_BYTES,
                             truncate=True)
-
-
-def classify_exception(exc: BaseException) -> tuple[str, str]:
-    """(kind, reason) for an exception raised by urllib3 / the socket layer."""
-    if isinstance(exc, DecodeError):
-        return "failed", "bad_encoding"
-    if isinstance(exc, LocationValueError):
-        return "failed", "bad_url"
-    if isinstance(exc, (SSLError, ssl.SSLError)):
-        return "error", "tls"
-    if isinstance(exc, ProxyError):
-        return "error", "proxy"
-    if isinstance(exc, NameResolutionError):
-        return "error", "dns"
-    if isinstance(exc, NewConnectionError):     # subclasses ConnectTimeoutError: test it first
-        return "error", "connection"
-    if isinstance(exc, (Urllib3Timeout, TimeoutError)):
-        return "error", "timeout"
-    return "error", "connection"
-
-
-def parse_retry_after(value: str | None, cap_s: float, now: float | None = None) -> float | None:
-    """Retry-After as seconds from now: delay-seconds or an HTTP-date; clamped to [0, cap_s]."""
-    if not value or not value.strip():
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        seconds = when.timestamp() - (time.time() if now is None else now)
-    if seconds != seconds:          # NaN
-        return None
-    return min(max(0.0, seconds), cap_s)
 
 
 def _basic_auth(url: str) -> tuple[str, str] | None:
@@ -353,26 +316,3 @@ def _basic_auth(url: str) -> tuple[str, str] | None:
     token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
     origin = parts.url[: len(parts.url) - len(parts.path)]
     return origin, f"Basic {token}"
-
-
-def _content_length(resp: Any) -> int | None:
-    try:
-        value = int(resp.headers.get("Content-Length", ""))
-    except ValueError:
-        return None
-    return value if value >= 0 else None
-
-
-def _discard(resp: Any) -> None:
-    """Skip a redirect's body: read a small one (keeps the connection), else drop it."""
-    length = _content_length(resp)
-    if length is not None and length <= DRAIN_LIMIT:
-        resp.drain_conn()
-
-
-def _finish(resp: Any) -> None:
-    # A body we stopped reading (cap, truncation, error) leaves bytes on the wire: close
-    # the connection instead of handing a desynchronised one back to the pool.
-    if not resp.isclosed():
-        resp.close()
-    resp.release_conn()

@@ -34,13 +34,14 @@ from typing import Any, Callable
 
 from protego import Protego
 
+from crawld.fetch.reasons import Kind, Reason
 from crawld.stats import Stats
 
 MAX_ROBOTS_BYTES = 500 * 1024
 MAX_TTL_S = 24 * 3600.0
 # FetchResult reasons after which the robots target can never be fetched: "unavailable".
-_UNAVAILABLE_REASONS = {"scheme", "private_address", "out_of_scope", "too_many_redirects",
-                        "redirect_loop", "bad_url"}
+_UNAVAILABLE_REASONS = frozenset({Reason.SCHEME, Reason.PRIVATE_ADDRESS, Reason.OUT_OF_SCOPE,
+                                  Reason.TOO_MANY_REDIRECTS, Reason.REDIRECT_LOOP, Reason.BAD_URL})
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class RobotsVerdict:
     unreachable: bool = False       # True: robots.txt could not be read, retry later
     crawl_delay_s: float | None = None
     detail: str = ""
-    reason: str = "robots_unavailable"      # the error reason when ``unreachable``
+    reason: str = Reason.ROBOTS_UNAVAILABLE     # the error reason when ``unreachable``
 
 
 @dataclass
@@ -58,7 +59,7 @@ class _Entry:
     parser: Protego | None          # None: allow all (unavailable) or unreachable
     unreachable: bool
     detail: str
-    reason: str = "robots_unavailable"
+    reason: str = Reason.ROBOTS_UNAVAILABLE
 
 
 def user_agent_token(user_agent: str) -> str:
@@ -141,13 +142,13 @@ class RobotsCache:
         self.stats.inc("robotstxt/request_count")
         result = self._fetch(f"{origin}/robots.txt", deadline)
         entry = self._interpret(result)
-        if entry.unreachable and entry.reason == "robots_unavailable":
+        if entry.unreachable and entry.reason == Reason.ROBOTS_UNAVAILABLE:
             self.stats.inc("robotstxt/unreachable")
         return entry
 
     def _interpret(self, result: Any) -> _Entry:
         now = time.monotonic()
-        if result.kind == "response":
+        if result.kind == Kind.RESPONSE:
             status = int(result.http_status)
             self.stats.inc("robotstxt/response_count")
             self.stats.inc(f"robotstxt/response_status_count/{status}")
@@ -159,11 +160,11 @@ class RobotsCache:
                 return _Entry(now + self.ttl_s, None, False, f"robots.txt {status} without Location")
             return self._unreachable(now, f"robots.txt answered {status}")
         self.stats.inc(f"robotstxt/exception_count/{result.reason}")
-        if result.reason == "politeness":
+        if result.reason == Reason.POLITENESS:
             # Our own queue for the host was full: says nothing about the site, so do not
             # cache it; the page is retried like any politeness wait.
-            return _Entry(now, None, True, f"robots.txt: {result.error}", reason="politeness")
-        if result.kind in ("skipped", "failed") and result.reason in _UNAVAILABLE_REASONS:
+            return _Entry(now, None, True, f"robots.txt: {result.error}", reason=Reason.POLITENESS)
+        if result.kind in (Kind.SKIPPED, Kind.FAILED) and result.reason in _UNAVAILABLE_REASONS:
             return _Entry(now + self.ttl_s, None, False, f"robots.txt {result.reason}: allow all")
         return self._unreachable(now, f"robots.txt {result.reason}: {result.error}".rstrip(": "))
 

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from crawld.config import Config
 from crawld.logs import get_logger
-from crawld.store.base import DeadRow, Store
+from crawld.store import DeadRow, Store
 from crawld.task import Task, safe_source
 from crawld.transports import make_publisher
 

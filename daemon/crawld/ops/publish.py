@@ -13,7 +13,7 @@ from typing import IO, Callable, Iterable, Iterator
 
 from crawld.config import Config
 from crawld.logs import get_logger
-from crawld.store.base import Store
+from crawld.store import Store
 from crawld.task import MalformedMessage, Task, parse_line
 from crawld.transports import make_publisher
 from crawld.transports.base import PublishReport

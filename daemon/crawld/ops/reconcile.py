@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from crawld.store.base import Store
+from crawld.store import Store
 
 
 @dataclass

@@ -6,8 +6,8 @@ import time
 from typing import Any
 
 from crawld.config import Config, redact_url
-from crawld.store.base import Store
-from crawld.process.supervisor import state_file
+from crawld.store import Store
+from crawld.process.files import state_file
 from crawld.transports import broker_stats
 
 

@@ -8,13 +8,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from crawld.fetch.fetcher import FetchResult
+from crawld.fetch import FetchResult
+from crawld.fetch.reasons import PERMANENT_FAILURES, RETRYABLE_ERRORS, SKIP_REASONS, Kind
 
-RETRYABLE_ERRORS = frozenset({"timeout", "connection", "dns", "tls", "proxy",
-                              "robots_unavailable", "politeness"})
-SKIP_REASONS = frozenset({"robots", "scheme", "private_address", "out_of_scope"})
-PERMANENT_FAILURES = frozenset({"too_large", "redirect_loop", "too_many_redirects", "bad_url",
-                                "bad_encoding"})
 RETRY_HTTP = frozenset({408, 429})
 RETRY_AFTER_HTTP = frozenset({429, 503})
 
@@ -38,13 +34,13 @@ class Decision:
 def classify(result: FetchResult, attempt: int, max_deliver: int,
              delays: tuple[float, ...], retry_after_max_s: float = 3600.0) -> Decision:
     """Map one fetch outcome of attempt ``attempt`` (1-based) to what happens next."""
-    if result.kind == "response":
+    if result.kind == Kind.RESPONSE:
         return _classify_response(result, attempt, max_deliver, delays, retry_after_max_s)
-    if result.kind == "skipped" and result.reason in SKIP_REASONS:
+    if result.kind == Kind.SKIPPED and result.reason in SKIP_REASONS:
         return Decision(Verdict.SKIP, status="skipped", reason=result.reason, error=result.error)
-    if result.kind == "failed" and result.reason in PERMANENT_FAILURES:
+    if result.kind == Kind.FAILED and result.reason in PERMANENT_FAILURES:
         return Decision(Verdict.SKIP, status="skipped", reason=result.reason, error=result.error)
-    if result.kind == "error" and result.reason in RETRYABLE_ERRORS:
+    if result.kind == Kind.ERROR and result.reason in RETRYABLE_ERRORS:
         return _retry_or_dead(result.reason, result.error or result.reason, attempt, max_deliver,
                               delays, min_delay=result.retry_after_s or 0.0)
     return Decision(Verdict.DEAD, reason="unclassified",

@@ -12,32 +12,28 @@ stuck workers, and brings the worker count to the configured number every tick.
   that crashes ``workers.crash_limit`` times in a row stops the supervisor with a
   clear error instead of fork-storming.
 
-Workers are started as ``python -m crawld worker`` children with the effective
-config passed as CRAWLD_* env overrides, and a heartbeat pipe (liveness never
-touches a disk).
+How a worker is started and what its heartbeats say is in children.py; the pid and
+state files are in files.py.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
-import hashlib
-import json
 import os
 import random
 import select
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
-from crawld.config import Config, ConfigError, env_for, runtime_dir
+from crawld.config import Config, ConfigError, runtime_dir
 from crawld.logs import get_logger
 from crawld.metrics import MULTIPROC_ENV, mark_worker_dead
-from crawld.process.worker import EXIT_BOOT_ERROR, HEARTBEAT_FD_ENV
+from crawld.process.children import (Child, drain_fd, set_nonblocking, signal_child,
+                                     spawn_worker)
+from crawld.process.files import remove_quietly, state_file, write_pid_file, write_state
+from crawld.process.states import Phase, StopMode
+from crawld.process.worker import EXIT_BOOT_ERROR
 
 log = get_logger("crawld.supervisor")
 
@@ -54,35 +50,6 @@ class CrashLoop(RuntimeError):
     pass
 
 
-@dataclass
-class Child:
-    slot: int
-    proc: subprocess.Popen
-    generation: int
-    pipe_r: int
-    started_at: float = field(default_factory=time.monotonic)
-    last_beat: float = field(default_factory=time.monotonic)
-    status: dict[str, Any] = field(default_factory=dict)
-    retiring: bool = False
-    retire_deadline: float = 0.0
-    ran: bool = False              # reported "running" at least once
-    buffer: bytes = b""
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def running(self) -> bool:
-        return self.status.get("state") in ("running", "draining")
-
-
-def state_file(cfg: Config) -> Path:
-    """Where `crawld status` finds the supervisor's view of its workers."""
-    key = hashlib.sha256(f"{cfg.store.url}|{cfg.queue.name}".encode()).hexdigest()[:10]
-    return runtime_dir(cfg) / f"supervisor-{cfg.queue.name}-{key}.json"
-
-
 class Supervisor:
     def __init__(self, cfg: Config, reload_config: Callable[[], Config]) -> None:
         self.cfg = cfg
@@ -92,11 +59,11 @@ class Supervisor:
         self.slot_crashes: dict[int, int] = {}
         self.slot_not_before: dict[int, float] = {}
         self.signals: list[int] = []
-        self.stopping: str = ""            # "", "graceful", "fast"
+        self.stopping = StopMode.NONE
         self.exit_code = 0
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
-            _set_nonblocking(fd)
+            set_nonblocking(fd)
         self.metrics_server: Any = None
         self.metrics_dir: str = ""
         self.spawned = 0
@@ -117,7 +84,8 @@ class Supervisor:
     # -- main loop --------------------------------------------------------------------
     def run(self) -> int:
         self.install_signals()
-        self._write_pid_file()
+        if self.cfg.workers.pid_file:
+            write_pid_file(self.cfg.workers.pid_file)
         self._start_metrics()
         log.info("supervisor_starting", workers=self.cfg.workers.count, transport=self.cfg.broker.transport,
                  queue=self.cfg.queue.name, config=self.cfg.source_path or "(defaults)")
@@ -125,7 +93,7 @@ class Supervisor:
             while True:
                 self._dispatch_signals()
                 self._reap()
-                if self.stopping:
+                if self.stopping is not StopMode.NONE:
                     break
                 self._check_liveness()
                 self._manage_workers()
@@ -135,7 +103,7 @@ class Supervisor:
         except CrashLoop as exc:
             log.error("crash_loop", error=str(exc))
             print(f"crawld: {exc}", file=sys.stderr)
-            self.stopping = "fast"
+            self.stopping = StopMode.FAST
             self._shutdown()
             self.exit_code = 1
         finally:
@@ -149,13 +117,13 @@ class Supervisor:
 
     def handle_term(self) -> None:
         log.info("supervisor_draining", workers=len(self.children))
-        self.stopping = "graceful"
+        self.stopping = StopMode.GRACEFUL
 
     handle_int = handle_term
 
     def handle_quit(self) -> None:
         log.info("supervisor_fast_stop", workers=len(self.children))
-        self.stopping = "fast"
+        self.stopping = StopMode.FAST
 
     def handle_chld(self) -> None:
         pass    # reaping happens every tick
@@ -188,30 +156,15 @@ class Supervisor:
             return
         for fd in ready:
             if fd == self.wake_r:
-                _drain_fd(fd)
+                drain_fd(fd)
         self._read_heartbeats([fd for fd in ready if fd != self.wake_r])
 
     # -- children ---------------------------------------------------------------------
     def _spawn(self, slot: int) -> Child:
-        pipe_r, pipe_w = os.pipe()
-        _set_nonblocking(pipe_r)
-        _set_nonblocking(pipe_w)
-        env = dict(os.environ)
-        env.update(env_for(self.cfg))
-        env["CRAWLD_WORKERS_RUN_DIR"] = str(runtime_dir(self.cfg))
-        env[HEARTBEAT_FD_ENV] = str(pipe_w)
-        env["CRAWLD_WORKER_SLOT"] = str(slot)
-        if self.metrics_dir:
-            env[MULTIPROC_ENV] = self.metrics_dir
-        cmd = [sys.executable, "-m", "crawld", "worker"]
-        if self.cfg.source_path:
-            cmd += ["-c", self.cfg.source_path]
-        proc = subprocess.Popen(cmd, env=env, pass_fds=[pipe_w], stdin=subprocess.DEVNULL)
-        os.close(pipe_w)
-        child = Child(slot=slot, proc=proc, generation=self.generation, pipe_r=pipe_r)
-        self.children[proc.pid] = child
+        child = spawn_worker(self.cfg, slot, self.generation, self.metrics_dir)
+        self.children[child.pid] = child
         self.spawned += 1
-        log.info("worker_spawned", worker_pid=proc.pid, slot=slot, generation=self.generation)
+        log.info("worker_spawned", worker_pid=child.pid, slot=slot, generation=self.generation)
         return child
 
     def _reap(self) -> None:
@@ -234,7 +187,7 @@ class Supervisor:
     def _on_child_exit(self, child: Child) -> None:
         code = child.proc.returncode
         lived = time.monotonic() - child.started_at
-        if child.retiring or self.stopping:
+        if child.retiring or self.stopping is not StopMode.NONE:
             log.info("worker_exited", worker_pid=child.pid, slot=child.slot, exit_code=code,
                      lived_s=round(lived, 1))
             self.slot_crashes.pop(child.slot, None)
@@ -266,38 +219,29 @@ class Supervisor:
                 data = os.read(fd, 65536)
             except (BlockingIOError, OSError):
                 continue
-            if not data:
-                continue
-            child.buffer += data
-            *lines, child.buffer = child.buffer.split(b"\n")
-            if lines:
-                child.last_beat = time.monotonic()
-                try:
-                    child.status = json.loads(lines[-1])
-                except ValueError:
-                    pass
-                child.ran = child.ran or child.status.get("state") == "running"
+            if data:
+                child.feed(data)
 
     def _check_liveness(self) -> None:
         """A worker whose loop stopped beating is killed; the reaper respawns it."""
         limit = self.cfg.workers.liveness_timeout_s
         now = time.monotonic()
         for child in list(self.children.values()):
-            if child.status.get("state") in (None, "starting", "connecting"):
+            if child.reported in (None, Phase.STARTING, Phase.CONNECTING):
                 continue        # connect() may legitimately back off for long
             if now - child.last_beat > limit:
                 log.error("worker_stuck", worker_pid=child.pid, slot=child.slot,
                           silent_s=round(now - child.last_beat, 1))
-                _kill(child.pid, signal.SIGKILL)
+                signal_child(child.pid, signal.SIGKILL)
             if child.retiring and now > child.retire_deadline:
                 log.warning("worker_drain_timeout", worker_pid=child.pid, slot=child.slot)
-                _kill(child.pid, signal.SIGKILL)
+                signal_child(child.pid, signal.SIGKILL)
 
     def _retire(self, child: Child) -> None:
         child.retiring = True
         child.retire_deadline = time.monotonic() + self.cfg.workers.drain_timeout_s + KILL_GRACE_S
         log.info("worker_retiring", worker_pid=child.pid, slot=child.slot, generation=child.generation)
-        _kill(child.pid, signal.SIGTERM)
+        signal_child(child.pid, signal.SIGTERM)
 
     def _manage_workers(self) -> None:
         desired = self.cfg.workers.count
@@ -334,23 +278,23 @@ class Supervisor:
 
     # -- shutdown ---------------------------------------------------------------------
     def _shutdown(self) -> None:
-        sig = signal.SIGTERM if self.stopping == "graceful" else signal.SIGQUIT
+        sig = signal.SIGTERM if self.stopping is StopMode.GRACEFUL else signal.SIGQUIT
         wait_s = self.cfg.workers.drain_timeout_s + KILL_GRACE_S if sig == signal.SIGTERM else 5.0
         for child in self.children.values():
-            _kill(child.pid, sig)
+            signal_child(child.pid, sig)
         deadline = time.monotonic() + wait_s
         while self.children and time.monotonic() < deadline:
             if sig == signal.SIGTERM and self._escalated():
                 sig, deadline = signal.SIGQUIT, min(deadline, time.monotonic() + 5.0)
                 log.info("supervisor_fast_stop", workers=len(self.children), during="drain")
                 for child in self.children.values():
-                    _kill(child.pid, sig)
+                    signal_child(child.pid, sig)
             self._reap()
             self._write_state()
             self._sleep(0.1)
         for child in list(self.children.values()):
             log.warning("worker_killed", worker_pid=child.pid, reason="did not stop in time")
-            _kill(child.pid, signal.SIGKILL)
+            signal_child(child.pid, signal.SIGKILL)
         while self.children:
             self._reap()
             time.sleep(0.05)
@@ -363,50 +307,24 @@ class Supervisor:
 
     def _cleanup(self) -> None:
         if self.cfg.workers.pid_file:
-            try:
-                os.unlink(self.cfg.workers.pid_file)
-            except OSError:
-                pass
-        try:
-            state_file(self.cfg).unlink()
-        except OSError:
-            pass
+            remove_quietly(self.cfg.workers.pid_file)
+        remove_quietly(state_file(self.cfg))
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
 
-    # -- files and metrics ------------------------------------------------------------
-    def _write_pid_file(self) -> None:
-        path = self.cfg.workers.pid_file
-        if not path:
-            return
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as fh:
-            fh.write(f"{os.getpid()}\n")
-        os.replace(tmp, path)
-
+    # -- state file and metrics -------------------------------------------------------
     def _write_state(self) -> None:
         now = time.monotonic()
-        workers = [{"pid": c.pid, "slot": c.slot, "generation": c.generation,
-                    "state": "retiring" if c.retiring and c.status.get("state") == "running"
-                    else c.status.get("state", "starting"),
-                    "inflight": c.status.get("inflight", 0), "done": c.status.get("done", 0),
-                    "retried": c.status.get("retried", 0), "dead": c.status.get("dead", 0),
-                    "redelivered": c.status.get("redelivered", 0), "stats": c.status.get("stats", {}),
-                    "age_s": round(now - c.started_at, 1), "last_beat_s": round(now - c.last_beat, 1)}
-                   for c in sorted(self.children.values(), key=lambda c: c.slot)]
-        state = {"pid": os.getpid(), "updated_at": time.time(), "generation": self.generation,
-                 "desired": self.cfg.workers.count, "stopping": self.stopping, "workers": workers}
-        path = state_file(self.cfg)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)
+        workers = [c.row(now) for c in sorted(self.children.values(), key=lambda c: c.slot)]
+        write_state(state_file(self.cfg), {
+            "pid": os.getpid(), "updated_at": time.time(), "generation": self.generation,
+            "desired": self.cfg.workers.count, "stopping": self.stopping, "workers": workers})
 
     def _start_metrics(self) -> None:
         if not self.cfg.metrics.port:
             return
         from crawld.metrics import dead_rate_probe, serve_aggregate
-        from crawld.store.base import open_store
+        from crawld.store import open_store
         self.metrics_dir = tempfile.mkdtemp(prefix="crawld-metrics-", dir=runtime_dir(self.cfg))
         os.environ[MULTIPROC_ENV] = self.metrics_dir
         store_cfg = self.cfg.store
@@ -414,23 +332,3 @@ class Supervisor:
                                               dead_rate_probe(lambda: open_store(store_cfg)))
         log.info("metrics_listening", host=self.cfg.metrics.host, port=self.cfg.metrics.port)
 
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _set_nonblocking(fd: int) -> None:
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
-
-
-def _drain_fd(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except OSError as exc:
-        if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
-            raise

@@ -10,19 +10,19 @@ from crawld.config import Config
 from crawld.transports.base import Publisher, Transport
 
 
-def make_transport(cfg: Config, worker_id: str, **kwargs: Any) -> Transport:
+def make_transport(cfg: Config, worker_id: str) -> Transport:
     if cfg.broker.transport == "jetstream":
-        from crawld.transports.jetstream.core import JetStreamTransport
-        return JetStreamTransport(cfg, worker_id, **kwargs)
-    from crawld.transports.amqp.core import AmqpTransport
-    return AmqpTransport(cfg, worker_id, **kwargs)
+        from crawld.transports.jetstream import JetStreamTransport
+        return JetStreamTransport(cfg, worker_id)
+    from crawld.transports.amqp import AmqpTransport
+    return AmqpTransport(cfg, worker_id)
 
 
 def make_publisher(cfg: Config, **kwargs: Any) -> Publisher:
     if cfg.broker.transport == "jetstream":
-        from crawld.transports.jetstream.core import JetStreamPublisher
+        from crawld.transports.jetstream import JetStreamPublisher
         return JetStreamPublisher(cfg, **kwargs)
-    from crawld.transports.amqp.core import AmqpPublisher
+    from crawld.transports.amqp import AmqpPublisher
     return AmqpPublisher(cfg, **kwargs)
 
 
@@ -30,9 +30,9 @@ def broker_stats(cfg: Config) -> dict[str, Any]:
     """Queue/stream depths for `crawld status`; {"error": ...} when the broker is unreachable."""
     try:
         if cfg.broker.transport == "jetstream":
-            from crawld.transports.jetstream.core import jetstream_stats
+            from crawld.transports.jetstream import jetstream_stats
             return jetstream_stats(cfg)
-        from crawld.transports.amqp.core import amqp_stats
+        from crawld.transports.amqp import amqp_stats
         return amqp_stats(cfg)
     except Exception as exc:  # status must still print the store side
         return {"error": f"{type(exc).__name__}: {exc}"}

@@ -157,10 +157,6 @@ class Publisher(abc.ABC):
         self.close()
 
 
-def truncate(text: str, limit: int = MAX_HEADER_CHARS) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def tier_for(delay_s: float, tiers: Iterable[float]) -> float:
     """The smallest configured tier >= delay (or the largest tier if none is)."""
     ordered = sorted(tiers)

@@ -1,0 +1,75 @@
+"""urllib3 responses and exceptions, read for the fetcher: errors, Retry-After, connection reuse."""
+from __future__ import annotations
+
+import email.utils
+import ssl
+import time
+from typing import Any
+
+from urllib3.exceptions import (DecodeError, LocationValueError, NameResolutionError,
+                                NewConnectionError, ProxyError, SSLError)
+from urllib3.exceptions import TimeoutError as Urllib3Timeout
+
+from crawld.fetch.reasons import Kind, Reason
+
+DRAIN_LIMIT = 64 * 1024             # redirect bodies up to this are read to keep the connection
+
+
+def classify_exception(exc: BaseException) -> tuple[Kind, Reason]:
+    """(kind, reason) for an exception raised by urllib3 / the socket layer."""
+    if isinstance(exc, DecodeError):
+        return Kind.FAILED, Reason.BAD_ENCODING
+    if isinstance(exc, LocationValueError):
+        return Kind.FAILED, Reason.BAD_URL
+    if isinstance(exc, (SSLError, ssl.SSLError)):
+        return Kind.ERROR, Reason.TLS
+    if isinstance(exc, ProxyError):
+        return Kind.ERROR, Reason.PROXY
+    if isinstance(exc, NameResolutionError):
+        return Kind.ERROR, Reason.DNS
+    if isinstance(exc, NewConnectionError):     # subclasses ConnectTimeoutError: test it first
+        return Kind.ERROR, Reason.CONNECTION
+    if isinstance(exc, (Urllib3Timeout, TimeoutError)):
+        return Kind.ERROR, Reason.TIMEOUT
+    return Kind.ERROR, Reason.CONNECTION
+
+
+def parse_retry_after(value: str | None, cap_s: float, now: float | None = None) -> float | None:
+    """Retry-After as seconds from now: delay-seconds or an HTTP-date; clamped to [0, cap_s]."""
+    if not value or not value.strip():
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if seconds != seconds:          # NaN
+        return None
+    return min(max(0.0, seconds), cap_s)
+
+
+def content_length(resp: Any) -> int | None:
+    try:
+        value = int(resp.headers.get("Content-Length", ""))
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def discard(resp: Any) -> None:
+    """Skip a redirect's body: read a small one (keeps the connection), else drop it."""
+    length = content_length(resp)
+    if length is not None and length <= DRAIN_LIMIT:
+        resp.drain_conn()
+
+
+def finish(resp: Any) -> None:
+    # A body we stopped reading (cap, truncation, error) leaves bytes on the wire: close
+    # the connection instead of handing a desynchronised one back to the pool.
+    if not resp.isclosed():
+        resp.close()
+    resp.release_conn()

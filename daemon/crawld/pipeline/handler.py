@@ -1,0 +1,209 @@
+"""One delivery in, one Settlement out: the whole delivery path, top to bottom.
+
+    parse → claim (one copy per task id in this process) → duplicate? → delivery limit
+    → fetch → classify → store (result, attempt or dead row) → Settlement
+
+The handler writes the store but never talks to the broker: the worker hands the
+Settlement to its transport. Every store write happens before the Settlement is
+returned, so the ack that follows it can only ever turn a crash into a duplicate.
+No broker, no threads of its own: tests drive it with a plain Delivery.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from crawld.config import Config
+from crawld.fetch import Fetcher, FetchResult
+from crawld.logs import get_logger
+from crawld.metrics import Metrics
+from crawld.pipeline.classify import Decision, Verdict, classify
+from crawld.pipeline.middleware import Middleware
+from crawld.pipeline.outcomes import Reason, malformed
+from crawld.store import DeadRow, ResultRow, Store
+from crawld.task import MalformedMessage, Task, parse_message
+from crawld.transports.base import Action, Delivery, Settlement
+
+log = get_logger("crawld.pipeline")
+
+CLAIM_GRACE_S = 5.0       # beyond fetch.timeout_s, how long a second copy waits for the first
+
+
+class DeliveryHandler:
+    """Thread-safe: pool threads call ``handle`` concurrently."""
+
+    def __init__(self, cfg: Config, store: Store, fetcher: Fetcher, *, worker_id: str,
+                 counts_deliveries: bool, metrics: Metrics | None = None,
+                 middleware: Middleware | None = None) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.fetcher = fetcher
+        self.worker_id = worker_id
+        # True when Delivery.attempt already counts crash redeliveries (JetStream);
+        # otherwise the store keeps the count for the crash-loop guard.
+        self.counts_deliveries = counts_deliveries
+        self.metrics = metrics or Metrics(enabled=False)
+        self.middleware = middleware or Middleware()
+        self._claims = _Claims(cfg.fetch.timeout_s + CLAIM_GRACE_S)
+
+    # -- the path -----------------------------------------------------------------------
+    def handle(self, delivery: Delivery) -> Settlement:
+        """Never raises: a bug in our code becomes a dead row, never a retry loop."""
+        try:
+            return self._handle(delivery)
+        except Exception as exc:
+            return self._internal_error(delivery, exc)
+
+    def _handle(self, delivery: Delivery) -> Settlement:
+        try:
+            task = self._parse(delivery)
+        except MalformedMessage as exc:
+            return self._malformed(delivery, exc)
+        with self._claims.hold(task.task_id):
+            return self._handle_task(delivery, task)
+
+    def _handle_task(self, delivery: Delivery, task: Task) -> Settlement:
+        bound = log.bind(task_id=task.task_id, url=task.url, attempt=delivery.attempt)
+        if self.store.has_result(task.task_id):        # dedup by task id, never by broker hints
+            bound.info("duplicate_skipped", redelivered=delivery.redelivered)
+            return Settlement(Action.ACK, reason=Reason.DUPLICATE, task=task)
+        guard = self._delivery_limit(delivery, task)
+        if guard is not None:
+            bound.error("delivery_limit_reached", reason=guard.reason, error=guard.error)
+            return self._dead(delivery, task, guard)
+        self.middleware.before_fetch(delivery, task)
+        result = self.fetcher.fetch(task.url)
+        self.metrics.on_fetch(result.elapsed_s, result.http_status)
+        decision = classify(result, delivery.attempt, self.cfg.queue.max_deliver,
+                            self.cfg.queue.retry_delays_s, self.cfg.fetch.retry_after_max_s)
+        return self._record(delivery, task, result, decision, bound)
+
+    def release(self, delivery: Delivery) -> Settlement:
+        """A delivery a draining worker never started: give it back, no attempt used."""
+        self._forgive_redelivery(delivery)
+        return Settlement(Action.RELEASE, reason=Reason.DRAINING)
+
+    # -- the crash-loop guard -------------------------------------------------------------
+    def _delivery_limit(self, delivery: Delivery, task: Task) -> Decision | None:
+        """Stop a task that keeps killing its worker from being redelivered forever."""
+        limit = self.cfg.queue.max_deliver
+        if delivery.attempt > limit:
+            return Decision(Verdict.DEAD, reason=Reason.RETRIES_EXHAUSTED,
+                            error=f"delivered {delivery.attempt} times (max_deliver {limit})")
+        count = delivery.broker_redeliveries
+        if count is None and delivery.redelivered and not self.counts_deliveries:
+            count = self.store.bump_redelivery(task.task_id)
+        if count is not None and count >= limit:
+            return Decision(Verdict.DEAD, reason=Reason.REDELIVERY_LIMIT,
+                            error=f"redelivered {count} times without being settled (worker crashes?)")
+        return None
+
+    def _forgive_redelivery(self, delivery: Delivery) -> None:
+        """A delivery given back on purpose must not count toward the crash guard."""
+        if self.counts_deliveries:
+            return
+        try:
+            self.store.bump_redelivery(self._parse(delivery).task_id, delta=-1)
+        except Exception:    # malformed or store trouble: the guard may count it once more
+            pass
+
+    # -- store writes, each followed by the Settlement that may ack it ----------------
+    def _record(self, delivery: Delivery, task: Task, result: FetchResult, decision: Decision,
+                bound: Any) -> Settlement:
+        if decision.verdict in (Verdict.RESULT, Verdict.SKIP):
+            self._store_result(delivery, task, result, decision)
+            action = Action.ACK if decision.verdict is Verdict.RESULT else Action.SKIP
+            return Settlement(action, reason=decision.status, task=task)
+        self.store.put_attempt(task.task_id, delivery.attempt, task.url, decision.error or decision.reason,
+                               result.http_status, decision.delay_s, self.worker_id)
+        if decision.verdict is Verdict.RETRY:
+            bound.warning("fetch_retry", reason=decision.reason, error=decision.error,
+                          delay_s=decision.delay_s, http_status=result.http_status)
+            return Settlement(Action.RETRY, delay_s=decision.delay_s, reason=decision.reason,
+                              error=decision.error, task=task)
+        bound.error("fetch_dead", reason=decision.reason, error=decision.error,
+                    http_status=result.http_status)
+        return self._dead(delivery, task, decision)
+
+    def _store_result(self, delivery: Delivery, task: Task, result: FetchResult,
+                      decision: Decision) -> None:
+        digest = self.store.save_body(result.body) if result.body else ""
+        self.middleware.before_store(delivery, task)
+        self.store.put_result(ResultRow(
+            task_id=task.task_id, url=task.url, final_url=result.final_url or task.url,
+            status=decision.status, http_status=result.http_status,
+            reason=decision.reason if decision.verdict is Verdict.SKIP else "",
+            content_type=result.content_type, bytes=len(result.body), body_sha256=digest,
+            attempts=delivery.attempt, fetched_at=time.time(), worker=self.worker_id,
+            round=task.round, source=task.source, redirects=result.redirects,
+            enqueued_at=task.enqueued_at, stream_seq=delivery.stream_seq))
+        self.middleware.after_store(delivery, task)
+
+    def _dead(self, delivery: Delivery, task: Task, decision: Decision) -> Settlement:
+        self.store.put_dead(DeadRow(
+            task_id=task.task_id, url=task.url, reason=decision.reason, error=decision.error,
+            attempts=delivery.attempt, origin=delivery.origin, dead_at=time.time(),
+            body=delivery.body.decode("utf-8", "replace"), round=task.round, source=task.source))
+        return Settlement(Action.DEAD, reason=decision.reason, error=decision.error, task=task)
+
+    def _malformed(self, delivery: Delivery, exc: MalformedMessage) -> Settlement:
+        task_id = delivery.message_id or "malformed-" + hashlib.sha256(delivery.body).hexdigest()[:24]
+        log.error("message_malformed", task_id=task_id, url="", attempt=delivery.attempt,
+                  reason=exc.reason, error=exc.detail, origin=delivery.origin)
+        self.store.put_dead(DeadRow(
+            task_id=task_id, url="", reason=malformed(exc.reason), error=exc.detail[:500],
+            attempts=delivery.attempt, origin=delivery.origin, dead_at=time.time(),
+            body=delivery.body[:4096].decode("utf-8", "replace")))
+        return Settlement(Action.DEAD, reason=malformed(exc.reason), error=exc.detail)
+
+    def _internal_error(self, delivery: Delivery, exc: Exception) -> Settlement:
+        log.exception("internal_error", task_id=delivery.message_id, attempt=delivery.attempt,
+                      error=repr(exc))
+        try:
+            task = self._parse(delivery)
+            return self._dead(delivery, task, Decision(Verdict.DEAD, reason=Reason.INTERNAL_ERROR,
+                                                       error=repr(exc)[:500]))
+        except Exception as store_exc:
+            # The store itself is failing: do not ack; a delayed retry keeps the task safe.
+            log.error("store_unavailable", task_id=delivery.message_id, attempt=delivery.attempt,
+                      error=repr(store_exc))
+            delays = self.cfg.queue.retry_delays_s
+            return Settlement(Action.RETRY, delay_s=delays[0] if delays else 1.0,
+                              reason=Reason.STORE_UNAVAILABLE, error=repr(store_exc)[:500])
+
+    def _parse(self, delivery: Delivery) -> Task:
+        return parse_message(delivery.body, delivery.message_id, self.cfg.queue.max_message_bytes)
+
+
+class _Claims:
+    """Task ids being handled in this process right now.
+
+    A redelivered copy of a task this process is still fetching (e.g. after a
+    reconnect) waits for the first copy instead of fetching the page twice; it then
+    finds the stored result and is acked as a duplicate.
+    """
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self._lock = threading.Lock()
+        self._active: dict[str, threading.Event] = {}
+
+    @contextmanager
+    def hold(self, task_id: str) -> Iterator[None]:
+        with self._lock:
+            running = self._active.get(task_id)
+            if running is None:
+                self._active[task_id] = threading.Event()
+        if running is not None:
+            running.wait(self.wait_s)
+            yield
+            return
+        try:
+            yield
+        finally:
+            with self._lock:
+                mine = self._active.pop(task_id)    # only the holder removes its claim
+            mine.set()

@@ -1,0 +1,17 @@
+"""Open the store a config names: SQLite for ``sqlite:`` URLs, PostgreSQL otherwise."""
+from __future__ import annotations
+
+from crawld.config import StoreConfig, sqlite_path
+from crawld.store.base import Store
+from crawld.store.postgres import PostgresStore
+from crawld.store.sqlite import SQLiteStore
+
+
+def open_store(cfg: StoreConfig, pool_size: int = 8) -> Store:
+    """A store with its schema created (or migrated), ready for writes."""
+    if cfg.url.startswith("sqlite:"):
+        store: Store = SQLiteStore(sqlite_path(cfg.url), cfg.body_dir)
+    else:
+        store = PostgresStore(cfg.url, cfg.body_dir, pool_size=pool_size)
+    store.init_schema()
+    return store

@@ -1,0 +1,67 @@
+"""Tables, indexes and migrations: the DDL both back ends share.
+
+The statements are written for SQLite; PostgreSQL runs them too, with the 64-bit
+columns widened (see ``postgres_schema``) and older INTEGER columns migrated.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS outbox (
+        task_id TEXT PRIMARY KEY, url TEXT NOT NULL, round TEXT NOT NULL, source TEXT NOT NULL,
+        state TEXT NOT NULL DEFAULT 'new', tries INTEGER NOT NULL DEFAULT 0,
+        created_at DOUBLE PRECISION NOT NULL, confirmed_at DOUBLE PRECISION,
+        last_error TEXT NOT NULL DEFAULT '')""",
+    """CREATE TABLE IF NOT EXISTS results (
+        task_id TEXT PRIMARY KEY, url TEXT NOT NULL, final_url TEXT NOT NULL DEFAULT '',
+        status TEXT NOT NULL, http_status INTEGER, reason TEXT NOT NULL DEFAULT '',
+        content_type TEXT NOT NULL DEFAULT '', bytes INTEGER NOT NULL DEFAULT 0,
+        body_sha256 TEXT NOT NULL DEFAULT '', attempts INTEGER NOT NULL DEFAULT 1,
+        fetched_at DOUBLE PRECISION NOT NULL, worker TEXT NOT NULL DEFAULT '',
+        round TEXT NOT NULL DEFAULT '', source TEXT NOT NULL DEFAULT '',
+        redirects INTEGER NOT NULL DEFAULT 0, enqueued_at DOUBLE PRECISION NOT NULL DEFAULT 0,
+        stream_seq INTEGER, writes INTEGER NOT NULL DEFAULT 1)""",
+    """CREATE TABLE IF NOT EXISTS attempts (
+        task_id TEXT NOT NULL, attempt INTEGER NOT NULL, url TEXT NOT NULL,
+        error TEXT NOT NULL, http_status INTEGER, delay_s DOUBLE PRECISION NOT NULL DEFAULT 0,
+        worker TEXT NOT NULL DEFAULT '', at DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (task_id, attempt))""",
+    """CREATE TABLE IF NOT EXISTS dead (
+        task_id TEXT PRIMARY KEY, url TEXT NOT NULL, reason TEXT NOT NULL, error TEXT NOT NULL,
+        attempts INTEGER NOT NULL, origin TEXT NOT NULL, dead_at DOUBLE PRECISION NOT NULL,
+        body TEXT NOT NULL DEFAULT '', round TEXT NOT NULL DEFAULT '',
+        source TEXT NOT NULL DEFAULT '', replays INTEGER NOT NULL DEFAULT 0)""",
+    """CREATE TABLE IF NOT EXISTS redeliveries (
+        task_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_at DOUBLE PRECISION NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS outbox_state ON outbox (state)",
+    "CREATE INDEX IF NOT EXISTS dead_at ON dead (dead_at)",
+    "CREATE INDEX IF NOT EXISTS results_fetched ON results (fetched_at)",
+]
+
+# SQLite's INTEGER is 64-bit, PostgreSQL's is 32-bit: a JetStream stream sequence
+# (uint64) above 2**31-1 would make every put_result fail with "integer out of range".
+BIGINT_COLUMNS = {"results": ("stream_seq", "bytes")}
+
+
+def postgres_schema() -> list[str]:
+    """``SCHEMA`` with the ``BIGINT_COLUMNS`` widened, for a new PostgreSQL database."""
+    statements = []
+    for stmt in SCHEMA:
+        for table, columns in BIGINT_COLUMNS.items():
+            if f"TABLE IF NOT EXISTS {table} " in stmt:
+                for col in columns:
+                    stmt = stmt.replace(f"{col} INTEGER", f"{col} BIGINT")
+        statements.append(stmt)
+    return statements
+
+
+def migrate_postgres_bigint(cur: Any) -> None:
+    """Widen ``BIGINT_COLUMNS`` still INTEGER in a table an older crawld created."""
+    for table, columns in BIGINT_COLUMNS.items():
+        cur.execute("SELECT column_name FROM information_schema.columns "
+                    "WHERE table_schema = current_schema() AND table_name = %s "
+                    "AND data_type = 'integer' AND column_name = ANY(%s)",
+                    (table, list(columns)))
+        for (col,) in cur.fetchall():
+            cur.execute(f"ALTER TABLE {table} ALTER COLUMN {col} TYPE BIGINT")
