@@ -123,6 +123,8 @@ class AmqpTransport(Transport):
             return
         try:
             self._conn.process_data_events(time_limit=timeout)
+            if self._ch is None:
+                return          # a settle callback inside process_data_events found it lost
             if not self._ch.is_open:
                 # process_data_events does not raise when only the channel was closed
                 # (e.g. consumer_timeout): treat it as a lost connection.
