@@ -52,6 +52,8 @@ __all__ = [
     "WarcFileWriter",
     "WarcLocation",
     "WrittenFetch",
+    "location_text",
+    "parse_location",
     "payload_digest",
     "read_record",
     "recover",
@@ -62,6 +64,7 @@ __all__ = [
 WARC_VERSION = "WARC/1.1"
 CONFORMS_TO = "http://iipc.github.io/warc-specifications/specifications/warc-format/warc-1.1/"
 ORIGINAL_PREFIX = "X-Crawld-Original-"
+REFERS_TO_LOCATION = "X-Crawld-Refers-To-Location"   # "<file> <offset> <length>" of a revisit's original
 # Process-wide, so two writers in one process (tests, a writer reopened after close)
 # never produce the same name within a millisecond.
 _SERIALS = itertools.count()
@@ -93,6 +96,15 @@ class WarcLocation(NamedTuple):
     file: str     # closed file name inside the writer's directory
     offset: int   # start of the record's gzip member
     length: int   # size of that gzip member
+
+
+def location_text(location: WarcLocation) -> str:
+    return f"{location.file} {location.offset} {location.length}"
+
+
+def parse_location(text: str) -> WarcLocation:
+    file, offset, length = text.rsplit(" ", 2)
+    return WarcLocation(file, int(offset), int(length))
 
 
 @dataclass(frozen=True)
@@ -330,6 +342,9 @@ class WarcFileWriter:
             record = writer.create_revisit_record(hop.url, plan.digest, ref.uri, ref.date,
                                                   http_headers=http, warc_headers_dict=headers)
             record.rec_headers.add_header("WARC-Refers-To", ref.record_id)
+            if ref.location is not None:
+                # where the payload is, so a reader needs one more seek, not a scan
+                record.rec_headers.add_header(REFERS_TO_LOCATION, location_text(ref.location))
             return record
         headers["WARC-Payload-Digest"] = plan.digest   # computed once; warcio skips its own
         if hop.truncated:

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from crawld.store.group_commit import GroupCommit
 from crawld.store.reports import ReportQueries
-from crawld.store.schema import SCHEMA
+from crawld.store.schema import SCHEMA, migrate_added_columns
 from crawld.task import Task
 
 
@@ -44,6 +44,9 @@ class ResultRow:
     redirects: int = 0
     enqueued_at: float = 0.0
     stream_seq: int | None = None
+    warc_file: str = ""              # WARC file (name in store.warc_dir) holding the page
+    warc_offset: int | None = None   # its final response/revisit record's gzip member
+    warc_length: int | None = None
 
 
 @dataclass
@@ -132,6 +135,7 @@ class Store(ReportQueries):
         with self._tx() as cur:
             for stmt in SCHEMA:
                 cur.execute(stmt)
+            migrate_added_columns(cur, postgres=False)
 
     def close(self) -> None:
         self._close_group()
