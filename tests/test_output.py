@@ -339,3 +339,52 @@ def test_bad_output_config_exits_2_naming_the_key(tmp_path, text, key):
     done = subprocess.run([sys.executable, "-m", "crawld", "check-config", "-c", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and key in done.stderr and "Traceback" not in done.stderr
+
+
+def test_unconfirmed_event_means_no_ack_and_the_duplicate_announces_it(tmp_path, site):
+    """The broker is down when the event is due: the task is stored but given back; its
+    redelivery is a duplicate (no second fetch) that publishes the event, then acks."""
+    from crawld.config import Config, FetchConfig, WorkersConfig
+    from crawld.fetch import Fetcher
+    from crawld.pipeline.handler import DeliveryHandler
+    from crawld.task import new_task
+    from crawld.transports.base import Action, Delivery
+    from crawld.transports.jetstream.events import JetStreamEventPublisher
+
+    server = NatsServer()
+    server.start()
+    cfg = Config(workers=WorkersConfig(run_dir=str(tmp_path / "run")),
+                 fetch=FetchConfig(timeout_s=10, allow_networks=("127.0.0.0/8",)),
+                 store=StoreConfig(url=f"sqlite:///{tmp_path / 'crawld.db'}",
+                                   body_dir=str(tmp_path / "bodies")))
+    cfg = cfg.replace("broker", transport="jetstream", url=server.url)
+    store = open_store(cfg.store)
+    fetcher = Fetcher(cfg.fetch, pool_size=2, run_dir=str(tmp_path))
+    events = JetStreamEventPublisher(cfg, "t")
+    try:
+        events.start()                       # declares CRAWL_EVENTS
+        handler = DeliveryHandler(cfg, store, fetcher, worker_id="t:1", counts_deliveries=True,
+                                  events=events)
+        handler.event_timeout_s = 1.0
+        path = f"/fast/{_key()}"
+        task = new_task(site.url(path))
+
+        def deliver(attempt: int) -> Delivery:
+            return Delivery(body=task.to_body(), message_id=task.task_id, attempt=attempt,
+                            redelivered=attempt > 1, origin="crawl", handle=None)
+        server.stop()
+        first = handler.handle(deliver(1))
+        assert (first.action, first.reason) == (Action.RELEASE, "event_unconfirmed")
+        assert store.has_result(task.task_id)
+        server.start()
+        handler.event_timeout_s = 15.0
+        again = handler.handle(deliver(2))
+        assert (again.action, again.reason) == (Action.ACK, "duplicate")
+        assert site.hits(path) == 1
+        bodies = asyncio.run(_read_events(server.url))
+        assert [json.loads(b)["task_id"] for b in bodies] == [task.task_id]
+    finally:
+        events.close()
+        fetcher.close()
+        store.close()
+        server.close()

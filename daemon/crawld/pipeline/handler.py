@@ -55,6 +55,7 @@ class DeliveryHandler:
         self.metrics = metrics or Metrics(enabled=False)
         self.middleware = middleware or Middleware()
         self._claims = _Claims(cfg.fetch.timeout_s + CLAIM_GRACE_S)
+        self.event_timeout_s = EVENT_TIMEOUT_S
 
     # -- the path -----------------------------------------------------------------------
     def handle(self, delivery: Delivery) -> Settlement:
@@ -162,8 +163,8 @@ class DeliveryHandler:
         back: the redelivery finds the stored row and announces it again."""
         if not self.events.enabled:
             return None
-        error = self.events.publish(task.task_id, row.status if isinstance(row, ResultRow)
-                                    else row["status"], event_body(row), EVENT_TIMEOUT_S)
+        status = row["status"] if isinstance(row, dict) else row.status
+        error = self.events.publish(task.task_id, status, event_body(row), self.event_timeout_s)
         if error is None:
             return None
         bound.warning("event_unconfirmed", error=error)
