@@ -28,7 +28,7 @@ from warcio.archiveiterator import ArchiveIterator
 
 from crawld.config import StoreConfig
 from crawld.output.warc import REFERS_TO_LOCATION, WarcLocation, parse_location, read_record
-from crawld.store import ResultRow, open_store
+from crawld.store import SCHEMA, ResultRow, open_store
 
 ROW_COLUMNS = "task_id, url, final_url, status, bytes, redirects, warc_file, warc_offset, warc_length"
 CAP = 100_000
@@ -279,15 +279,16 @@ async def _read_events(url: str) -> list[bytes]:
 
 
 # -- store: the index columns on both back ends, and the migration of older tables ---------
-OLD_RESULTS = """CREATE TABLE results (
-    task_id TEXT PRIMARY KEY, url TEXT NOT NULL, final_url TEXT NOT NULL DEFAULT '',
-    status TEXT NOT NULL, http_status INTEGER, reason TEXT NOT NULL DEFAULT '',
-    content_type TEXT NOT NULL DEFAULT '', bytes INTEGER NOT NULL DEFAULT 0,
-    body_sha256 TEXT NOT NULL DEFAULT '', attempts INTEGER NOT NULL DEFAULT 1,
-    fetched_at DOUBLE PRECISION NOT NULL, worker TEXT NOT NULL DEFAULT '',
-    round TEXT NOT NULL DEFAULT '', source TEXT NOT NULL DEFAULT '',
-    redirects INTEGER NOT NULL DEFAULT 0, enqueued_at DOUBLE PRECISION NOT NULL DEFAULT 0,
-    stream_seq INTEGER, writes INTEGER NOT NULL DEFAULT 1)"""
+def _old_results_ddl() -> str:
+    """The results table as crawld created it before the WARC columns (everything up to
+    ``writes``, the last column of that release)."""
+    current = next(stmt for stmt in SCHEMA if "TABLE IF NOT EXISTS results " in stmt)
+    old = current.split("writes INTEGER NOT NULL DEFAULT 1")[0] + "writes INTEGER NOT NULL DEFAULT 1)"
+    assert "warc" not in old
+    return old
+
+
+OLD_RESULTS = _old_results_ddl()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -70,6 +70,8 @@ class JetStreamEventPublisher(EventPublisher):
             log.warning("events_connect_failed", transport="jetstream", error=repr(exc))
 
     def publish(self, task_id: str, status: str, body: bytes, timeout_s: float) -> str | None:
+        if not self._loop.is_running():
+            return "event publisher closed"
         deadline = time.monotonic() + timeout_s
         future = asyncio.run_coroutine_threadsafe(
             self._publish(event_subject(status), body, task_id, deadline), self._loop)
