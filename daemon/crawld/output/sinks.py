@@ -1,9 +1,11 @@
 """Where a fetched page's body goes (``store.bodies``): WARC files, body files, or nowhere.
 
 The handler's store step calls ``BodySink.store(result)`` and writes the returned
-``StoredBody`` into the results row. ``store`` returns only once the body is durable
-(the WARC sink fsyncs, batched across the pool's threads), so the row that points at
-it is committed after it, and the ack after the row.
+``StoredBody`` into the results row. The WARC sink's records are durable before the row
+that points at them is committed: with the store's group commit (every worker) the
+commit thread fsyncs the WARC file right before each batch's transaction (one
+fdatasync per batch, on the thread that waits for the disk anyway); without it,
+``store`` fsyncs itself. The ack follows the row.
 
 One sink per worker process, created in the worker (after fork): a WARC writer holds an
 open file and a lock the process owns.
@@ -79,16 +81,19 @@ class WarcBodies(BodySink):
 
     name = "warc"
 
-    def __init__(self, directory: str, max_bytes: int, prefix: str = WARC_PREFIX) -> None:
+    def __init__(self, directory: str, max_bytes: int, prefix: str = WARC_PREFIX,
+                 store: Store | None = None) -> None:
         from crawld.output.warc import WarcFileWriter   # warcio only where it is used
         self.directory = directory
         self.writer = WarcFileWriter(directory, prefix, max_bytes)
+        self._sync_here = store is None or not store.add_commit_barrier(self.writer.sync)
 
     def store(self, result: FetchResult) -> StoredBody:
         if not result.hops:      # refused before any request (robots, SSRF guard): no record
             return StoredBody(_sha256(result.body))
         written = self.writer.write_fetch([_exchange(hop) for hop in result.hops])
-        self.writer.sync()       # one fdatasync covers every thread that wrote before it
+        if self._sync_here:      # else the commit thread syncs before the row's batch
+            self.writer.sync()   # one fdatasync covers every thread that wrote before it
         file, offset, length = written.location
         return StoredBody(_sha256(result.body), file, offset, length)
 
@@ -123,4 +128,4 @@ def make_body_sink(cfg: Config, store: Store) -> BodySink:
     directory = warc_directory(cfg.store)
     os.makedirs(directory, exist_ok=True)
     recover_warc_files(directory)
-    return WarcBodies(directory, cfg.store.warc_max_bytes)
+    return WarcBodies(directory, cfg.store.warc_max_bytes, store=store)

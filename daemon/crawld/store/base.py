@@ -125,6 +125,14 @@ class Store(ReportQueries):
         if self._group is None:
             self._group = GroupCommit(self, max_batch)
 
+    def add_commit_barrier(self, barrier: Any) -> bool:
+        """Run ``barrier()`` before every group commit (e.g. fsync the files the rows point
+        at). False without group commit: the caller must make its data durable itself."""
+        if self._group is None:
+            return False
+        self._group.barriers.append(barrier)
+        return True
+
     def _exec_many(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
         """Run ``sql`` for every row in one transaction; returns the rows changed."""
         with self._tx() as cur:
