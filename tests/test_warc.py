@@ -15,7 +15,7 @@ import time
 import pytest
 from warcio.archiveiterator import ArchiveIterator
 
-fastwarc = pytest.importorskip("fastwarc.warc")
+import fastwarc.warc as fastwarc
 
 from crawld.output.warc import (
     Exchange,
