@@ -389,3 +389,48 @@ def test_unconfirmed_event_means_no_ack_and_the_duplicate_announces_it(tmp_path,
         fetcher.close()
         store.close()
         server.close()
+
+
+@pytest.mark.parametrize("bodies", ["files", "none", "warc"])
+def test_each_body_store_and_crawld_show_reads_it_back(tmp_path, site, bodies):
+    """The handler's store step through make_body_sink for each store.bodies value, and
+    ops/show reading the page back the way `crawld show` does."""
+    from crawld.config import Config, FetchConfig, WorkersConfig, warc_directory
+    from crawld.fetch import Fetcher
+    from crawld.ops.show import load_page
+    from crawld.output.sinks import make_body_sink
+    from crawld.pipeline.handler import DeliveryHandler
+    from crawld.task import new_task
+    from crawld.transports.base import Action, Delivery
+
+    cfg = Config(workers=WorkersConfig(run_dir=str(tmp_path / "run")),
+                 fetch=FetchConfig(timeout_s=10, allow_networks=("127.0.0.0/8",)),
+                 store=StoreConfig(url=f"sqlite:///{tmp_path / 'crawld.db'}",
+                                   body_dir=str(tmp_path / "bodies"), bodies=bodies))
+    store = open_store(cfg.store)
+    fetcher = Fetcher(cfg.fetch, pool_size=2, run_dir=str(tmp_path))
+    sink = make_body_sink(cfg, store)
+    try:
+        handler = DeliveryHandler(cfg, store, fetcher, worker_id="t:1", counts_deliveries=True,
+                                  sink=sink)
+        task = new_task(site.url(f"/redirect/1/{_key()}"))
+        settled = handler.handle(Delivery(body=task.to_body(), message_id=task.task_id, attempt=1,
+                                          redelivered=False, origin="crawl", handle=None))
+        assert settled.action is Action.ACK
+        page = load_page(cfg, store, task.task_id)
+    finally:
+        sink.close()
+        fetcher.close()
+        store.close()
+    assert page.row["status"] == "redirected" and page.row["body_sha256"]
+    warc_files = list(Path(warc_directory(cfg.store)).glob("*.warc.gz"))
+    if bodies == "none":
+        assert page.body is None and not (tmp_path / "bodies").exists() and not warc_files
+        return
+    assert b"<h1>200</h1>" in page.body
+    assert hashlib.sha256(page.body).hexdigest() == page.row["body_sha256"]
+    if bodies == "files":
+        assert page.row["warc_file"] == "" and not warc_files
+    else:
+        assert page.row["warc_file"] == warc_files[0].name and page.status_line.startswith("HTTP/1.1 200")
+        assert _records_in([str(warc_files[0])])["response"] == 2    # the redirect hop and the page
