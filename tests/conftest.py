@@ -79,6 +79,7 @@ class StorePaths:
     url: str        # sqlite:////abs/path/crawld.db
     path: Path      # the database file
     body_dir: Path  # content-addressed body directory
+    warc_dir: Path  # WARC files (store.bodies = "warc", the default)
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def tmp_store(tmp_path: Path) -> StorePaths:
     db = tmp_path / "crawld.db"
     body_dir = tmp_path / "bodies"
     body_dir.mkdir()
-    return StorePaths(url=f"sqlite:///{db}", path=db, body_dir=body_dir)
+    return StorePaths(url=f"sqlite:///{db}", path=db, body_dir=body_dir, warc_dir=tmp_path / "warc")
 
 
 @pytest.fixture
@@ -112,7 +113,7 @@ def crawld_env(request: pytest.FixtureRequest, tmp_path: Path, tmp_store: StoreP
             broker_url = request.getfixturevalue("rabbit").url
         sections["queue"] = {"name": queue_name, **sections.get("queue", {})}
         sections["store"] = {"url": tmp_store.url, "body_dir": str(tmp_store.body_dir),
-                             **sections.get("store", {})}
+                             "warc_dir": str(tmp_store.warc_dir), **sections.get("store", {})}
         return make_config(tmp_path, broker_url=broker_url, transport=transport,
                            filename=filename, **sections)
 

@@ -29,7 +29,7 @@ from crawld_proc import Crawld, parse_events
 from harness import (free_port, jetstream_ready, leftover_processes, make_config,
                      nats_server_binary, port_open, run_async, wait_until)
 
-from crawld.config import load_config
+from crawld.config import load_config, warc_directory
 from crawld.process.supervisor import KILL_GRACE_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,7 +164,8 @@ def test_systemd_unit_relationships() -> None:
     assert cfg.workers.run_dir == "/run/crawld"
     assert cfg.workers.pid_file == "/run/crawld/crawld.pid"
     db_path = "/" + cfg.store.url[len("sqlite://"):].lstrip("/")
-    for path in (db_path, cfg.store.body_dir, cfg.workers.run_dir, cfg.workers.pid_file):
+    for path in (db_path, cfg.store.body_dir, warc_directory(cfg.store), cfg.workers.run_dir,
+                 cfg.workers.pid_file):
         assert any(path == w or path.startswith(w.rstrip("/") + "/") for w in writable), path
     assert cfg.log.format == "json"
     assert (cfg.metrics.host, cfg.metrics.port) == ("127.0.0.1", 9464)

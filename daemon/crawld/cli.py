@@ -1,4 +1,4 @@
-"""Command line: `crawld run | worker | publish | status | reconcile | dlq | demo | check-config`.
+"""Command line: `crawld run | worker | publish | status | reconcile | dlq | show | demo | check-config`.
 
 Exit codes: 0 ok; 1 the check found a problem (lost tasks, unconfirmed publishes);
 2 bad usage or config (one line on stderr, no traceback).
@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--grace", type=float, default=0.0, metavar="S",
                    help="ignore tasks confirmed less than S seconds ago (still in flight)")
+    p = cmd("show", "Print a stored page: its result row and its body (from the WARC file).")
+    p.add_argument("task_id")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--body", action="store_true", help="print the body after the metadata")
+    p.add_argument("--body-only", action="store_true", help="write only the raw body to stdout")
+    p.add_argument("--headers", action="store_true", help="print the stored HTTP response headers")
     p = cmd("check-config", "Validate a config file and print the effective values.")
     p.add_argument("--json", action="store_true")
     dlq = sub.add_parser("dlq", help="Dead-letter queue: list or replay.")
@@ -196,6 +202,34 @@ def cmd_dlq(args: argparse.Namespace, cfg: Config) -> int:
     return EXIT_OK if not report.failed else EXIT_PROBLEM
 
 
+def cmd_show(args: argparse.Namespace, cfg: Config) -> int:
+    from crawld.ops.show import format_page, load_page, page_json
+    setup_logging(cfg.log, "show")
+    store = _open_store(cfg)
+    try:
+        page = load_page(cfg, store, args.task_id)
+    except (OSError, ValueError) as exc:
+        print(f"crawld: {args.task_id}: cannot read the stored body: {exc}", file=sys.stderr)
+        return EXIT_PROBLEM
+    finally:
+        store.close()
+    if page is None:
+        print(f"crawld: {args.task_id}: no result stored", file=sys.stderr)
+        return EXIT_PROBLEM
+    if args.body_only:
+        sys.stdout.buffer.write(page.body or b"")
+        return EXIT_OK
+    if args.json:
+        print(page_json(page, args.body))
+        return EXIT_OK
+    print(format_page(page, args.headers))
+    if args.body and page.body is not None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        sys.stdout.buffer.write(page.body)
+    return EXIT_OK
+
+
 def cmd_check_config(args: argparse.Namespace, cfg: Config) -> int:
     from dataclasses import asdict
     data = asdict(cfg)
@@ -219,5 +253,5 @@ def cmd_demo(args: argparse.Namespace, _cfg: Config | None) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Any], int]] = {
     "run": cmd_run, "worker": cmd_worker, "publish": cmd_publish, "status": cmd_status,
-    "reconcile": cmd_reconcile, "dlq": cmd_dlq, "check-config": cmd_check_config, "demo": cmd_demo,
+    "reconcile": cmd_reconcile, "dlq": cmd_dlq, "show": cmd_show, "check-config": cmd_check_config, "demo": cmd_demo,
 }

@@ -78,6 +78,9 @@ class FetchConfig:
 class StoreConfig:
     url: str = "sqlite:///var/lib/crawld/crawld.db"
     body_dir: str = "/var/lib/crawld/bodies"
+    bodies: str = "warc"
+    warc_dir: str = ""
+    warc_max_bytes: int = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,11 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class OutputConfig:
+    events: bool = True
+
+
+@dataclass(frozen=True)
 class Config:
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
@@ -107,6 +115,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
     source_path: str = ""
 
     def replace(self, section: str, **changes: Any) -> "Config":
@@ -255,6 +264,8 @@ def validate(cfg: Config) -> None:
         (cfg.fetch.per_host_concurrency >= 1, "fetch.per_host_concurrency: must be >= 1"),
         (cfg.fetch.per_host_delay_s >= 0, "fetch.per_host_delay_s: must be >= 0"),
         (cfg.store.url.startswith(("sqlite:///", "postgresql://", "postgres://")), "store.url: must start with sqlite:/// or postgresql://"),
+        (cfg.store.bodies in ("warc", "files", "none"), "store.bodies: must be 'warc', 'files' or 'none'"),
+        (cfg.store.warc_max_bytes >= 1 << 20, "store.warc_max_bytes: must be >= 1048576 (1 MiB)"),
         (cfg.log.level.lower() in ("debug", "info", "warning", "error"), "log.level: must be debug, info, warning or error"),
         (cfg.log.format in ("json", "console", "auto"), "log.format: must be json, console or auto"),
         (0 <= cfg.metrics.port <= 65535, "metrics.port: must be 0..65535"),
@@ -324,6 +335,14 @@ def env_for(cfg: Config) -> dict[str, str]:
 def sqlite_path(store_url: str) -> Path:
     """``sqlite:///var/lib/x.db`` and ``sqlite:////var/lib/x.db`` both mean /var/lib/x.db."""
     return Path("/" + store_url[len("sqlite://"):].lstrip("/"))
+
+
+def warc_directory(store: StoreConfig) -> str:
+    """``store.warc_dir``, or ``warc`` beside ``body_dir`` when empty: one setting
+    (body_dir) keeps every output of a test or a demo inside its own directory."""
+    if store.warc_dir:
+        return store.warc_dir
+    return os.path.join(os.path.dirname(store.body_dir.rstrip("/")) or ".", "warc")
 
 
 def runtime_dir(cfg: Config) -> Path:

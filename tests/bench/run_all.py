@@ -25,6 +25,7 @@ import bench_e2e
 import bench_frameworks
 import bench_latency
 import bench_memory
+import bench_output
 import bench_profile
 import bench_publish
 import bench_recovery
@@ -58,6 +59,7 @@ BENCHMARKS = [
     ("recovery", bench_recovery.run),
     ("memory", bench_memory.run),
     ("profile", bench_profile.run),
+    ("output", bench_output.run),
 ]
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from crawld.config import load_config
+from crawld.config import load_config, warc_directory
 from crawld.devtools import servers as embedded
 from crawld.devtools.procs import children_of
 from crawld.devtools.servers import RABBITMQ_SERVER, NatsServer, RabbitNode
@@ -229,7 +229,10 @@ class Demo:
         self.say("\n== " + format_reconciliation(rec))
         self.say(f"\nlogs      {self.log_path}")
         self.say(f"database  {cfg.store.url}")
-        self.say(f"bodies    {cfg.store.body_dir}")
+        if cfg.store.bodies == "warc":
+            self.say(f"warc      {warc_directory(cfg.store)}  (crawld show TASK_ID -c {cfg.source_path})")
+        else:
+            self.say(f"bodies    {cfg.store.body_dir}")
         if not self.keep_dir:
             self.say("(a temp dir: pass --dir D to choose where the demo keeps them)")
         return 0 if finished and rec.ok else 1

@@ -14,6 +14,7 @@ and keep themselves isolated with a unique ``<key>`` segment:
 ``/private/<any>``                 200, but disallowed by robots.txt
 ``/retry-after/<seconds>/<key>``   first hit 429 with ``Retry-After: seconds``, then 200
 ``/big/<bytes>/<key>``             200 with a body of that many bytes
+``/chunked/<bytes>/<key>``         random bytes (seeded by the path), chunked, no Content-Length
 =================================  ===============================================
 
 The server counts hits per path and records how many requests were in flight at once,
@@ -21,6 +22,7 @@ overall and per path prefix, so politeness (per-host concurrency) can be asserte
 """
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -33,6 +35,7 @@ ROBOTS_TXT = "User-agent: *\nDisallow: /private/\n"
 MAX_SLEEP_S = 600.0
 SLEEP_STEP_S = 0.05
 MAX_BIG_BYTES = 64 * 1024 * 1024
+CHUNK_BYTES = 16 * 1024
 
 
 class _Stats:
@@ -126,10 +129,16 @@ class _Handler(BaseHTTPRequestHandler):
             headers.setdefault("Content-Type", "text/html; charset=utf-8")
             for name, value in headers.items():
                 self.send_header(name, value)
-            if status not in (204, 304):  # bodiless by definition (RFC 9110)
+            chunked = headers.get("Transfer-Encoding") == "chunked"
+            if status not in (204, 304) and not chunked:  # bodiless by definition (RFC 9110)
                 self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if send_body:
+            if send_body and chunked:
+                for start in range(0, len(body), CHUNK_BYTES):
+                    piece = body[start:start + CHUNK_BYTES]
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.write(b"0\r\n\r\n")
+            elif send_body:
                 self.wfile.write(body)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client gave up (e.g. its timeout): not our error
@@ -171,6 +180,7 @@ class TestSite:
             "private": lambda parts, path, hit: self._page(200, path),
             "retry-after": self._retry_after,
             "big": self._big,
+            "chunked": self._chunked,
         }
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -313,3 +323,8 @@ class TestSite:
     def _big(self, parts: list[str], path: str, hit: int) -> Response:
         size = min(int(parts[0]), MAX_BIG_BYTES)
         return 200, {"Content-Type": "application/octet-stream"}, b"x" * size
+
+    def _chunked(self, parts: list[str], path: str, hit: int) -> Response:
+        size = min(int(parts[0]), MAX_BIG_BYTES)
+        return 200, {"Content-Type": "application/octet-stream", "Transfer-Encoding": "chunked"}, \
+            random.Random(path).randbytes(size)   # incompressible, the same on every hit

@@ -46,8 +46,8 @@ from crawld.fetch.politeness import HostLimiter, PolitenessTimeout
 from crawld.fetch.pools import connection_pool, make_pool_manager
 from crawld.fetch.reasons import Kind, Reason
 from crawld.fetch.resolver import DnsResolver, Resolver
-from crawld.fetch.responses import (classify_exception, content_length, discard, finish,
-                                    parse_retry_after)
+from crawld.fetch.responses import (Hop, capture_hop, classify_exception, content_length,
+                                    discard, finish, parse_retry_after)
 from crawld.fetch.robots import MAX_ROBOTS_BYTES, RobotsCache
 from crawld.fetch.urls import BadURL, parse_url
 from crawld.stats import Stats
@@ -74,6 +74,7 @@ class FetchResult:
     headers: dict[str, str] = field(default_factory=dict)
     chain: list[str] = field(default_factory=list)   # every URL requested, in order
     peer_ip: str = ""                                # the address the last hop connected to
+    hops: list[Hop] = field(default_factory=list)    # every exchange with a response, in order
 
 
 @dataclass
@@ -86,6 +87,7 @@ class _Task:
 class _Redirect:
     status: int
     location: str
+    hop: Hop
 
 
 class Fetcher:
@@ -134,10 +136,10 @@ class Fetcher:
     def _follow(self, url: str, task: _Task, *, obey_robots: bool, max_redirects: int,
                 max_bytes: int, truncate: bool) -> FetchResult:
         chain: list[str] = []
+        hops: list[Hop] = []
         auth = _basic_auth(url)
         current = url
         while True:
-            hops = len(chain)
             target = self.guard.check(current, task.deadline)
             if isinstance(target, Refusal):
                 return self._refused(url, current, target, chain)
@@ -147,11 +149,14 @@ class Fetcher:
             outcome = self._visit(target, task, obey_robots, auth[1] if auth else None,
                                   max_bytes, truncate)
             if isinstance(outcome, FetchResult):
-                outcome.url, outcome.final_url, outcome.redirects = url, target.url, hops
+                outcome.url, outcome.final_url, outcome.redirects = url, target.url, len(chain) - 1
                 outcome.chain = chain
+                outcome.hops[:0] = hops
                 return outcome
+            hops.append(outcome.hop)
             nxt = self._next_hop(url, target, outcome, chain, max_redirects)
             if isinstance(nxt, FetchResult):
+                nxt.hops = hops
                 return nxt
             current = nxt
 
@@ -225,7 +230,8 @@ class Fetcher:
                     "GET", target.path, headers=headers, redirect=False, retries=False,
                     preload_content=False, decode_content=True, assert_same_host=False,
                     release_conn=False, timeout=timeout)
-                return self._handle(resp, target, scope, max_bytes, truncate)
+                return self._handle(resp, target, scope, max_bytes, truncate,
+                                    capture_hop(resp, target.url, target.ip, headers))
             except (HTTPError, OSError, http.client.HTTPException) as exc:
                 return self._network_error(exc, target, scope)
             finally:
@@ -233,14 +239,14 @@ class Fetcher:
                     finish(resp)
 
     def _handle(self, resp: Any, target: Target, scope: DeadlineScope, max_bytes: int,
-                truncate: bool) -> FetchResult | _Redirect:
+                truncate: bool, hop: Hop) -> FetchResult | _Redirect:
         status = resp.status
         self.stats.inc("downloader/response_count")
         self.stats.inc(f"downloader/response_status_count/{status}")
         location = resp.headers.get("Location")
         if status in REDIRECT_STATUSES and location:
             discard(resp)
-            return _Redirect(status, location)
+            return _Redirect(status, location, hop)
         retry_after = None
         if status in (429, 503):
             retry_after = parse_retry_after(resp.headers.get("Retry-After"), self.cfg.retry_after_max_s)
@@ -249,16 +255,20 @@ class Fetcher:
         body, too_large = self._read_body(resp, max_bytes, truncate)
         if scope.fired:     # the watchdog cut the socket: any body we have may be partial
             return self._timeout(target, f"total deadline of {self.cfg.timeout_s:g}s exceeded")
-        if too_large:
+        hop.body, hop.truncated = body, too_large or (truncate and len(body) >= max_bytes)
+        content_type = resp.headers.get("Content-Type", "")
+        if too_large:       # the archive keeps the part we read (WARC-Truncated: length)
             return FetchResult(Kind.FAILED, target.url, http_status=status, reason=Reason.TOO_LARGE,
                                error=f"body larger than {max_bytes} bytes (decoded)",
-                               peer_ip=target.ip)
+                               content_type=content_type, peer_ip=target.ip, hops=[hop])
         return FetchResult(Kind.RESPONSE, target.url, http_status=status,
-                           content_type=resp.headers.get("Content-Type", ""), body=body,
-                           retry_after_s=retry_after, headers=dict(resp.headers), peer_ip=target.ip)
+                           content_type=content_type, body=body,
+                           retry_after_s=retry_after, headers=dict(resp.headers), peer_ip=target.ip,
+                           hops=[hop])
 
     def _read_body(self, resp: Any, max_bytes: int, truncate: bool) -> tuple[bytes, bool]:
-        """Stream and decode at most ``max_bytes``; (body, too_large). ``truncate``: cut, no error."""
+        """Stream and decode at most ``max_bytes``; (body, too_large). ``truncate``: cut, no error.
+        When too large, ``body`` is the first ``max_bytes`` read (empty if rejected early)."""
         encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
         declared = content_length(resp)
         if not truncate and encoding in ("", "identity") and declared is not None and declared > max_bytes:
@@ -272,9 +282,9 @@ class Fetcher:
                 break
             buf += chunk
             if len(buf) > max_bytes:
-                if not truncate:
-                    return b"", True
                 del buf[max_bytes:]
+                if not truncate:
+                    return bytes(buf), True
                 break
         self.stats.inc("downloader/response_bytes", len(buf))
         if encoding not in ("", "identity"):

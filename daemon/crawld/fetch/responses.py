@@ -4,6 +4,7 @@ from __future__ import annotations
 import email.utils
 import ssl
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from urllib3.exceptions import (DecodeError, LocationValueError, NameResolutionError,
@@ -73,3 +74,30 @@ def finish(resp: Any) -> None:
     if not resp.isclosed():
         resp.close()
     resp.release_conn()
+
+
+@dataclass(slots=True)
+class Hop:
+    """One request/response exchange as it went over the wire: what a WARC
+    ``request`` + ``response`` record pair needs. Built from data urllib3 already
+    holds (no extra syscalls); only the final hop keeps a body."""
+    url: str
+    request_headers: list[tuple[str, str]]    # as sent, in order
+    status: int
+    reason: str
+    version: str                              # status-line protocol, e.g. "HTTP/1.1"
+    response_headers: list[tuple[str, str]]   # as received, in order, repeats kept
+    ip: str                                   # the address the guard pinned the connection to
+    at: float                                 # epoch seconds, response head received
+    method: str = "GET"
+    body: bytes = b""                         # decoded payload (final hop only)
+    truncated: bool = False                   # body cut at max_body_bytes
+
+
+def capture_hop(resp: Any, url: str, ip: str, request_headers: dict[str, str]) -> Hop:
+    """The exchange of ``resp``; headers in wire order from http.client when available."""
+    raw = getattr(resp, "_original_response", None)
+    headers = list(raw.msg.items()) if raw is not None else list(resp.headers.items())
+    version = resp.version or 11
+    return Hop(url, list(request_headers.items()), resp.status, resp.reason or "",
+               f"HTTP/{version // 10}.{version % 10}", headers, ip, time.time())

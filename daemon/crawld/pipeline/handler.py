@@ -1,7 +1,8 @@
 """One delivery in, one Settlement out: the whole delivery path, top to bottom.
 
     parse → claim (one copy per task id in this process) → duplicate? → delivery limit
-    → fetch → classify → store (result, attempt or dead row) → Settlement
+    → fetch → classify → store (body sink, then result, attempt or dead row)
+    → result event (confirmed) → Settlement
 
 The handler writes the store but never talks to the broker: the worker hands the
 Settlement to its transport. Every store write happens before the Settlement is
@@ -20,16 +21,19 @@ from crawld.config import Config
 from crawld.fetch import Fetcher, FetchResult
 from crawld.logs import get_logger
 from crawld.metrics import Metrics
+from crawld.output.events import event_body
+from crawld.output.sinks import BodyFiles, BodySink
 from crawld.pipeline.classify import Decision, Verdict, classify
 from crawld.pipeline.middleware import Middleware
 from crawld.pipeline.outcomes import Reason, malformed
 from crawld.store import DeadRow, ResultRow, Store
 from crawld.task import MalformedMessage, Task, parse_message
-from crawld.transports.base import Action, Delivery, Settlement
+from crawld.transports.base import Action, Delivery, EventPublisher, NoEvents, Settlement
 
 log = get_logger("crawld.pipeline")
 
 CLAIM_GRACE_S = 5.0       # beyond fetch.timeout_s, how long a second copy waits for the first
+EVENT_TIMEOUT_S = 20.0    # how long a stored task waits for its event's confirm before release
 
 
 class DeliveryHandler:
@@ -37,8 +41,11 @@ class DeliveryHandler:
 
     def __init__(self, cfg: Config, store: Store, fetcher: Fetcher, *, worker_id: str,
                  counts_deliveries: bool, metrics: Metrics | None = None,
-                 middleware: Middleware | None = None) -> None:
+                 middleware: Middleware | None = None, sink: BodySink | None = None,
+                 events: EventPublisher | None = None) -> None:
         self.cfg = cfg
+        self.sink = sink or BodyFiles(store)
+        self.events = events or NoEvents()
         self.store = store
         self.fetcher = fetcher
         self.worker_id = worker_id
@@ -48,6 +55,7 @@ class DeliveryHandler:
         self.metrics = metrics or Metrics(enabled=False)
         self.middleware = middleware or Middleware()
         self._claims = _Claims(cfg.fetch.timeout_s + CLAIM_GRACE_S)
+        self.event_timeout_s = EVENT_TIMEOUT_S
 
     # -- the path -----------------------------------------------------------------------
     def handle(self, delivery: Delivery) -> Settlement:
@@ -69,7 +77,8 @@ class DeliveryHandler:
         bound = log.bind(task_id=task.task_id, url=task.url, attempt=delivery.attempt)
         if self.store.has_result(task.task_id):        # dedup by task id, never by broker hints
             bound.info("duplicate_skipped", redelivered=delivery.redelivered)
-            return Settlement(Action.ACK, reason=Reason.DUPLICATE, task=task)
+            return self._announce_duplicate(task, bound) or Settlement(
+                Action.ACK, reason=Reason.DUPLICATE, task=task)
         guard = self._delivery_limit(delivery, task)
         if guard is not None:
             bound.error("delivery_limit_reached", reason=guard.reason, error=guard.error)
@@ -114,7 +123,10 @@ class DeliveryHandler:
     def _record(self, delivery: Delivery, task: Task, result: FetchResult, decision: Decision,
                 bound: Any) -> Settlement:
         if decision.verdict in (Verdict.RESULT, Verdict.SKIP):
-            self._store_result(delivery, task, result, decision)
+            row = self._store_result(delivery, task, result, decision)
+            unconfirmed = self._announce(task, row, bound)
+            if unconfirmed is not None:
+                return unconfirmed
             action = Action.ACK if decision.verdict is Verdict.RESULT else Action.SKIP
             return Settlement(action, reason=decision.status, task=task)
         self.store.put_attempt(task.task_id, delivery.attempt, task.url, decision.error or decision.reason,
@@ -129,18 +141,42 @@ class DeliveryHandler:
         return self._dead(delivery, task, decision)
 
     def _store_result(self, delivery: Delivery, task: Task, result: FetchResult,
-                      decision: Decision) -> None:
-        digest = self.store.save_body(result.body) if result.body else ""
+                      decision: Decision) -> ResultRow:
+        body = self.sink.store(result)     # durable before the row that points at it
         self.middleware.before_store(delivery, task)
-        self.store.put_result(ResultRow(
+        row = ResultRow(
             task_id=task.task_id, url=task.url, final_url=result.final_url or task.url,
             status=decision.status, http_status=result.http_status,
             reason=decision.reason if decision.verdict is Verdict.SKIP else "",
-            content_type=result.content_type, bytes=len(result.body), body_sha256=digest,
+            content_type=result.content_type, bytes=len(result.body), body_sha256=body.sha256,
             attempts=delivery.attempt, fetched_at=time.time(), worker=self.worker_id,
             round=task.round, source=task.source, redirects=result.redirects,
-            enqueued_at=task.enqueued_at, stream_seq=delivery.stream_seq))
+            enqueued_at=task.enqueued_at, stream_seq=delivery.stream_seq,
+            warc_file=body.warc_file, warc_offset=body.warc_offset, warc_length=body.warc_length)
+        self.store.put_result(row)
         self.middleware.after_store(delivery, task)
+        return row
+
+    # -- result events: after the row, before the ack ------------------------------------
+    def _announce(self, task: Task, row: Any, bound: Any) -> Settlement | None:
+        """None when the event is confirmed (or events are off); else give the delivery
+        back: the redelivery finds the stored row and announces it again."""
+        if not self.events.enabled:
+            return None
+        status = row["status"] if isinstance(row, dict) else row.status
+        error = self.events.publish(task.task_id, status, event_body(row), self.event_timeout_s)
+        if error is None:
+            return None
+        bound.warning("event_unconfirmed", error=error)
+        return Settlement(Action.RELEASE, reason=Reason.EVENT_UNCONFIRMED, error=error, task=task)
+
+    def _announce_duplicate(self, task: Task, bound: Any) -> Settlement | None:
+        """A stored task may have been given back because its event was not confirmed:
+        announce it again (consumers deduplicate by task id)."""
+        if not self.events.enabled:
+            return None
+        row = self.store.get_result(task.task_id)
+        return self._announce(task, row, bound) if row is not None else None
 
     def _dead(self, delivery: Delivery, task: Task, decision: Decision) -> Settlement:
         self.store.put_dead(DeadRow(

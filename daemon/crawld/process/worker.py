@@ -22,6 +22,7 @@ from crawld.config import Config, runtime_dir
 from crawld.fetch import Fetcher
 from crawld.logs import get_logger
 from crawld.metrics import Metrics
+from crawld.output.sinks import BodySink, make_body_sink
 from crawld.pipeline.handler import DeliveryHandler
 from crawld.pipeline.middleware import Middleware, MiddlewareChain, load_middleware
 from crawld.pipeline.outcomes import Reason
@@ -29,7 +30,8 @@ from crawld.process.heartbeat import Heartbeat
 from crawld.process.states import Phase
 from crawld.stats import Stats
 from crawld.store import Store
-from crawld.transports.base import Action, Delivery, Settlement, TopologyError, Transport
+from crawld.transports.base import (Action, Delivery, EventPublisher, NoEvents, Settlement,
+                                    TopologyError, Transport)
 
 log = get_logger("crawld.worker")
 
@@ -51,8 +53,11 @@ class WorkerState:
 class Worker:
     def __init__(self, cfg: Config, transport: Transport, store: Store, fetcher: Fetcher,
                  metrics: Metrics | None = None, worker_id: str | None = None,
-                 middleware: Middleware | None = None) -> None:
+                 middleware: Middleware | None = None, sink: BodySink | None = None,
+                 events: EventPublisher | None = None) -> None:
         self.cfg = cfg
+        self.sink = sink or make_body_sink(cfg, store)     # in this process: a WARC file is ours
+        self.events = events or NoEvents()
         self.transport = transport
         self.store = store
         self.fetcher = fetcher
@@ -61,7 +66,8 @@ class Worker:
         self.middleware = middleware or MiddlewareChain()
         self.handler = DeliveryHandler(cfg, store, fetcher, worker_id=self.worker_id,
                                        counts_deliveries=transport.counts_deliveries,
-                                       metrics=self.metrics, middleware=self.middleware)
+                                       metrics=self.metrics, middleware=self.middleware,
+                                       sink=self.sink, events=self.events)
         self.pool = ThreadPoolExecutor(max_workers=cfg.workers.threads, thread_name_prefix="fetch")
         self.state = WorkerState(started_at=time.time())
         self._lock = threading.Lock()
@@ -98,6 +104,7 @@ class Worker:
         self.middleware.after_worker_boot(self)
         self._set_state(Phase.CONNECTING)
         self.transport.connect()
+        self.events.start()      # declares crawl.events / CRAWL_EVENTS before the first task
         self.transport.start_consuming(self._on_delivery, self._free_slots)
         self._set_state(Phase.RUNNING)
         while not self._stop:
@@ -127,11 +134,24 @@ class Worker:
         leftover = self._inflight()
         self.transport.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self._close_outputs(leftover)
         log.info("worker_drained", worker=self.worker_id, released=released, unfinished=leftover,
                  drain_s=round(time.monotonic() - started, 3), done=self.state.done,
                  redelivered=self.state.redelivered, duplicates=self.state.duplicates)
         self._set_state(Phase.STOPPED)
         return 0
+
+    def _close_outputs(self, leftover: int) -> None:
+        """Events, then the body sink. With fetches still running (drain timeout) the WARC
+        file stays open for them; the next worker start recovers it."""
+        self.events.close()
+        if leftover:
+            log.warning("warc_left_open", worker=self.worker_id, unfinished=leftover)
+            return
+        try:
+            self.sink.close()
+        except OSError as exc:
+            log.error("body_sink_close_failed", worker=self.worker_id, error=repr(exc))
 
     def _stop_fast(self) -> int:
         log.info("worker_fast_stop", worker=self.worker_id, inflight=self._inflight())
@@ -243,7 +263,7 @@ class Worker:
 def run_worker(cfg: Config) -> int:
     """Entry point of `crawld worker` and of each supervisor child."""
     from crawld.store import open_store
-    from crawld.transports import make_transport
+    from crawld.transports import make_event_publisher, make_transport
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     middleware = load_middleware(cfg.pipeline.middleware)   # ConfigError: exit 2, names the key
     try:
@@ -256,7 +276,14 @@ def run_worker(cfg: Config) -> int:
     fetcher = Fetcher(cfg.fetch, pool_size=cfg.workers.threads, run_dir=str(runtime_dir(cfg)),
                       stats=Stats())
     transport = make_transport(cfg, worker_id)
-    worker = Worker(cfg, transport, store, fetcher, Metrics(), worker_id, middleware)
+    try:
+        sink = make_body_sink(cfg, store)
+    except OSError as exc:
+        log.error("worker_boot_failed", reason="body_sink", error=repr(exc))
+        store.close()
+        return EXIT_BOOT_ERROR
+    worker = Worker(cfg, transport, store, fetcher, Metrics(), worker_id, middleware,
+                    sink=sink, events=make_event_publisher(cfg, worker_id))
     worker.install_signal_handlers()
     try:
         return worker.run()

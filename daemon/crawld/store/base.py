@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from crawld.store.group_commit import GroupCommit
 from crawld.store.reports import ReportQueries
-from crawld.store.schema import SCHEMA
+from crawld.store.schema import SCHEMA, migrate_added_columns
 from crawld.task import Task
 
 
@@ -44,6 +44,9 @@ class ResultRow:
     redirects: int = 0
     enqueued_at: float = 0.0
     stream_seq: int | None = None
+    warc_file: str = ""              # WARC file (name in store.warc_dir) holding the page
+    warc_offset: int | None = None   # its final response/revisit record's gzip member
+    warc_length: int | None = None
 
 
 @dataclass
@@ -122,6 +125,14 @@ class Store(ReportQueries):
         if self._group is None:
             self._group = GroupCommit(self, max_batch)
 
+    def add_commit_barrier(self, barrier: Any) -> bool:
+        """Run ``barrier()`` before every group commit (e.g. fsync the files the rows point
+        at). False without group commit: the caller must make its data durable itself."""
+        if self._group is None:
+            return False
+        self._group.barriers.append(barrier)
+        return True
+
     def _exec_many(self, sql: str, rows: Iterable[Sequence[Any]]) -> int:
         """Run ``sql`` for every row in one transaction; returns the rows changed."""
         with self._tx() as cur:
@@ -132,6 +143,7 @@ class Store(ReportQueries):
         with self._tx() as cur:
             for stmt in SCHEMA:
                 cur.execute(stmt)
+            migrate_added_columns(cur, postgres=False)
 
     def close(self) -> None:
         self._close_group()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import queue
 import threading
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 
 class _Transactional(Protocol):
@@ -21,6 +21,9 @@ class GroupCommit:
     def __init__(self, store: _Transactional, max_batch: int) -> None:
         self.store = store
         self.max_batch = max_batch
+        # Runs before each batch's transaction, on the commit thread: makes what the rows
+        # point at durable first (the WARC fsync). Raising fails the whole batch.
+        self.barriers: list[Callable[[], None]] = []
         self.queue: queue.Queue[_Pending | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="group-commit", daemon=True)
         self.thread.start()
@@ -55,6 +58,14 @@ class GroupCommit:
             self._commit(batch)
 
     def _commit(self, batch: list[_Pending]) -> None:
+        try:
+            for barrier in self.barriers:
+                barrier()
+        except Exception as exc:
+            for item in batch:
+                item.error = exc
+                item.done.set()
+            return
         try:
             with self.store._tx() as cur:
                 for item in batch:

@@ -7,7 +7,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from crawld.store.base import Store
-from crawld.store.schema import BIGINT_COLUMNS, migrate_postgres_bigint, postgres_schema
+from crawld.store.schema import (BIGINT_COLUMNS, migrate_added_columns, migrate_postgres_bigint,
+                                 postgres_schema)
 
 PG_PERMANENT_ERRORS = ("does not exist", "authentication failed", "no pg_hba.conf entry",
                        "password", "permission denied", "invalid connection option")
@@ -89,6 +90,7 @@ class PostgresStore(Store):
             cur.execute("SELECT pg_advisory_xact_lock(%s)", (self.SCHEMA_LOCK,))
             for stmt in postgres_schema():
                 cur.execute(stmt)
+            migrate_added_columns(cur, postgres=True)
             migrate_postgres_bigint(cur)
 
     def close(self) -> None:

@@ -21,7 +21,8 @@ SCHEMA = [
         fetched_at DOUBLE PRECISION NOT NULL, worker TEXT NOT NULL DEFAULT '',
         round TEXT NOT NULL DEFAULT '', source TEXT NOT NULL DEFAULT '',
         redirects INTEGER NOT NULL DEFAULT 0, enqueued_at DOUBLE PRECISION NOT NULL DEFAULT 0,
-        stream_seq INTEGER, writes INTEGER NOT NULL DEFAULT 1)""",
+        stream_seq INTEGER, writes INTEGER NOT NULL DEFAULT 1,
+        warc_file TEXT NOT NULL DEFAULT '', warc_offset INTEGER, warc_length INTEGER)""",
     """CREATE TABLE IF NOT EXISTS attempts (
         task_id TEXT NOT NULL, attempt INTEGER NOT NULL, url TEXT NOT NULL,
         error TEXT NOT NULL, http_status INTEGER, delay_s DOUBLE PRECISION NOT NULL DEFAULT 0,
@@ -41,7 +42,28 @@ SCHEMA = [
 
 # SQLite's INTEGER is 64-bit, PostgreSQL's is 32-bit: a JetStream stream sequence
 # (uint64) above 2**31-1 would make every put_result fail with "integer out of range".
-BIGINT_COLUMNS = {"results": ("stream_seq", "bytes")}
+BIGINT_COLUMNS = {"results": ("stream_seq", "bytes", "warc_offset", "warc_length")}
+
+# Columns added after a table's first release: (name, SQLite type and default). A database
+# an older crawld created gains them on start (``migrate_added_columns``).
+ADDED_COLUMNS = {"results": (("warc_file", "TEXT NOT NULL DEFAULT ''"),
+                             ("warc_offset", "INTEGER"), ("warc_length", "INTEGER"))}
+
+
+def migrate_added_columns(cur: Any, postgres: bool) -> None:
+    """``ALTER TABLE ... ADD COLUMN`` for every ``ADDED_COLUMNS`` entry a table lacks."""
+    for table, columns in ADDED_COLUMNS.items():
+        if postgres:
+            for name, decl in columns:
+                if name in BIGINT_COLUMNS.get(table, ()):
+                    decl = decl.replace("INTEGER", "BIGINT")
+                cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {decl}")
+            continue
+        cur.execute(f"PRAGMA table_info({table})")
+        present = {row[1] for row in cur.fetchall()}
+        for name, decl in columns:
+            if name not in present:
+                cur.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
 
 def postgres_schema() -> list[str]:

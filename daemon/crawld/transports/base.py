@@ -164,3 +164,45 @@ def tier_for(delay_s: float, tiers: Iterable[float]) -> float:
         if tier >= delay_s:
             return tier
     return ordered[-1]
+
+
+EVENTS_EXCHANGE = "crawl.events"       # AMQP topic exchange, routing key = result status
+EVENTS_STREAM = "CRAWL_EVENTS"         # JetStream stream on crawl.event.>
+EVENTS_SUBJECT_PREFIX = "crawl.event."
+
+
+class EventPublisher(abc.ABC):
+    """Result events for downstream stages, confirmed by the broker (one per worker).
+
+    ``publish`` is thread-safe and blocks its pool thread until the broker confirmed
+    the event (AMQP publisher confirm, JetStream PubAck) or ``timeout_s`` passed; the
+    task id is the message id, so a consumer deduplicates a resent event by it.
+    """
+
+    enabled = True
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Connect and declare the exchange / stream (worker boot; TopologyError if refused)."""
+
+    @abc.abstractmethod
+    def publish(self, task_id: str, status: str, body: bytes, timeout_s: float) -> str | None:
+        """None once confirmed, else why not (the caller must not ack the task)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class NoEvents(EventPublisher):
+    """``output.events = false``."""
+
+    enabled = False
+
+    def start(self) -> None:
+        pass
+
+    def publish(self, task_id: str, status: str, body: bytes, timeout_s: float) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass

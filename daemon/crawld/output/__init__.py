@@ -1,0 +1,1 @@
+"""Output formats for fetched pages (WARC files)."""
