@@ -54,6 +54,7 @@ class WorkersConfig:
     liveness_timeout_s: float = 60.0
     crash_limit: int = 10
     backoff_max_s: float = 30.0
+    probe_max_s: float = 30.0
     pid_file: str = ""
     run_dir: str = ""
 
@@ -72,12 +73,16 @@ class FetchConfig:
     retry_after_max_s: float = 3600.0
     allow_networks: tuple[str, ...] = ()
     dns_servers: tuple[str, ...] = ()
+    breaker_window: int = 20
+    breaker_ratio: float = 0.8
+    breaker_min_sites: int = 3
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     url: str = "sqlite:///var/lib/crawld/crawld.db"
     body_dir: str = "/var/lib/crawld/bodies"
+    lock_wait_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -247,6 +252,7 @@ def validate(cfg: Config) -> None:
         (cfg.workers.liveness_timeout_s >= 1, "workers.liveness_timeout_s: must be >= 1"),
         (cfg.workers.crash_limit >= 1, "workers.crash_limit: must be >= 1"),
         (cfg.workers.backoff_max_s > 0, "workers.backoff_max_s: must be > 0"),
+        (cfg.workers.probe_max_s > 0, "workers.probe_max_s: must be > 0"),
         (cfg.fetch.timeout_s > 0, "fetch.timeout_s: must be > 0"),
         (cfg.fetch.connect_timeout_s > 0, "fetch.connect_timeout_s: must be > 0"),
         (cfg.fetch.max_body_bytes > 0, "fetch.max_body_bytes: must be > 0"),
@@ -254,6 +260,10 @@ def validate(cfg: Config) -> None:
         (bool(cfg.fetch.user_agent.strip()), "fetch.user_agent: must not be empty"),
         (cfg.fetch.per_host_concurrency >= 1, "fetch.per_host_concurrency: must be >= 1"),
         (cfg.fetch.per_host_delay_s >= 0, "fetch.per_host_delay_s: must be >= 0"),
+        (cfg.fetch.breaker_window >= 2, "fetch.breaker_window: must be >= 2"),
+        (0 < cfg.fetch.breaker_ratio <= 1, "fetch.breaker_ratio: must be > 0 and <= 1"),
+        (cfg.fetch.breaker_min_sites >= 2, "fetch.breaker_min_sites: must be >= 2"),
+        (cfg.store.lock_wait_s > 0, "store.lock_wait_s: must be > 0"),
         (cfg.store.url.startswith(("sqlite:///", "postgresql://", "postgres://")), "store.url: must start with sqlite:/// or postgresql://"),
         (cfg.log.level.lower() in ("debug", "info", "warning", "error"), "log.level: must be debug, info, warning or error"),
         (cfg.log.format in ("json", "console", "auto"), "log.format: must be json, console or auto"),

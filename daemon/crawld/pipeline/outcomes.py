@@ -16,6 +16,7 @@ class Reason(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"         # a bug in our code: dead, never retried
     STORE_UNAVAILABLE = "store_unavailable"   # cannot even write the dead row: retry later
     DRAINING = "draining"                     # given back unstarted during a graceful stop
+    POISON = "poison"                         # killed its worker while running alone
 
 
 MALFORMED_PREFIX = "malformed:"

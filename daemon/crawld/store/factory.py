@@ -10,7 +10,7 @@ from crawld.store.sqlite import SQLiteStore
 def open_store(cfg: StoreConfig, pool_size: int = 8) -> Store:
     """A store with its schema created (or migrated), ready for writes."""
     if cfg.url.startswith("sqlite:"):
-        store: Store = SQLiteStore(sqlite_path(cfg.url), cfg.body_dir)
+        store: Store = SQLiteStore(sqlite_path(cfg.url), cfg.body_dir, cfg.lock_wait_s)
     else:
         store = PostgresStore(cfg.url, cfg.body_dir, pool_size=pool_size)
     store.init_schema()
