@@ -14,6 +14,7 @@ and keep themselves isolated with a unique ``<key>`` segment:
 ``/private/<any>``                 200, but disallowed by robots.txt
 ``/retry-after/<seconds>/<key>``   first hit 429 with ``Retry-After: seconds``, then 200
 ``/big/<bytes>/<key>``             200 with a body of that many bytes
+``/unique/<bytes>/<key>``          200, that many bytes unique to the path (one body file each)
 =================================  ===============================================
 
 The server counts hits per path and records how many requests were in flight at once,
@@ -171,6 +172,7 @@ class TestSite:
             "private": lambda parts, path, hit: self._page(200, path),
             "retry-after": self._retry_after,
             "big": self._big,
+            "unique": self._unique,
         }
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -313,3 +315,8 @@ class TestSite:
     def _big(self, parts: list[str], path: str, hit: int) -> Response:
         size = min(int(parts[0]), MAX_BIG_BYTES)
         return 200, {"Content-Type": "application/octet-stream"}, b"x" * size
+
+    def _unique(self, parts: list[str], path: str, hit: int) -> Response:
+        size = min(int(parts[0]), MAX_BIG_BYTES)
+        line = (path + "\n").encode()
+        return 200, {"Content-Type": "application/octet-stream"}, (line * (size // len(line) + 1))[:size]
