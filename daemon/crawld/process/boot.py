@@ -24,6 +24,8 @@ from crawld.store import PG_PERMANENT_ERRORS, Store
 
 log = get_logger("crawld.worker")
 
+PAUSED_AFTER_S = 1.0     # a store slower than this to open is reported as waited for
+
 
 def store_not_ready(exc: BaseException, url: str) -> bool:
     """True when waiting may help: anything but PostgreSQL's refusal for good, or a
@@ -38,41 +40,51 @@ def open_store_when_ready(cfg: Config, opener: Callable[[], Store]) -> Store:
     """``opener()`` until it succeeds; raises at once on a permanent error."""
     beat = _BootBeat()
     waited = time.monotonic()
-
-    def wait_log(state: object) -> None:
-        if getattr(state, "attempt_number", 0) == 1:    # one event for the state change
-            outcome = getattr(state, "outcome")
-            log.warning("worker_paused", reason=Fault.STORE, at="boot",
-                        error=repr(outcome.exception())[:300])
-            beat.start()
-
+    beat.start()
     try:
         store = Retrying(retry=retry_if_exception(lambda exc: store_not_ready(exc, cfg.store.url)),
                          wait=wait_random_exponential(multiplier=0.5, max=cfg.workers.probe_max_s),
-                         before_sleep=wait_log, reraise=True)(opener)
+                         before_sleep=beat.failed, reraise=True)(opener)
     finally:
         beat.stop()
-    if beat.started:
+    if beat.paused:
         log.info("worker_resumed", reason=Fault.STORE, at="boot",
                  paused_s=round(time.monotonic() - waited, 3))
     return store
 
 
 class _BootBeat:
-    """Heartbeats from a thread while the boot waits (an attempt may block for long)."""
+    """Heartbeats from a thread while the boot waits: one attempt alone may block for long
+    (PostgresStore retries a refused connection for up to 30 s itself). A store that has
+    not opened after ``PAUSED_AFTER_S`` is reported as a pause, with one event."""
 
     def __init__(self) -> None:
         self._beat = Heartbeat.from_env()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
-        self.started = False
+        self._lock = threading.Lock()
+        self.paused = False
 
     def start(self) -> None:
-        self.started = True
         self._thread = threading.Thread(target=self._run, name="boot-beat", daemon=True)
         self._thread.start()
 
+    def failed(self, state: object) -> None:
+        """tenacity before_sleep: an attempt failed; pause now if not already."""
+        outcome = getattr(state, "outcome", None)
+        self._pause(repr(outcome.exception())[:300] if outcome is not None else "")
+
+    def _pause(self, error: str) -> None:
+        with self._lock:
+            if self.paused:
+                return
+            self.paused = True
+        log.warning("worker_paused", reason=Fault.STORE, at="boot", error=error)
+
     def _run(self) -> None:
+        if self._done.wait(PAUSED_AFTER_S):
+            return
+        self._pause("store not reachable yet")
         since = time.time()
         while not self._done.is_set():
             if self._beat.due():
