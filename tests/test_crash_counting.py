@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from crawld_proc import Crawld
@@ -26,16 +26,14 @@ def _key() -> str:
     return uuid.uuid4().hex[:8]
 
 
-@pytest.fixture
-def js_server() -> Iterator[NatsServer]:
+def broker_for(transport: str, request: pytest.FixtureRequest) -> Any:
+    """The broker the test restarts: the session's RabbitMQ, or a nats-server of its own."""
+    if transport == "amqp":
+        return request.getfixturevalue("rabbit")
     server = NatsServer()
     server.start()
-    yield server
-    server.close()
-
-
-def broker_for(transport: str, request: pytest.FixtureRequest) -> Any:
-    return request.getfixturevalue("rabbit" if transport == "amqp" else "js_server")
+    request.addfinalizer(server.close)
+    return server
 
 
 @pytest.mark.parametrize("transport", ["amqp", "jetstream"])
@@ -128,3 +126,54 @@ def test_10000_healthy_sigkill_every_2s_two_broker_restarts_none_dead_none_lost(
     print(f"\n[issue14] {transport}: {len(chaos.killed)} SIGKILLs, 2 broker restarts, "
           f"{len(daemon.events('suspect_isolated'))} suspects run alone, "
           f"{sum(e.get('count', 0) for e in daemon.events('deliveries_forgiven'))} deliveries forgiven")
+
+
+def test_deliveries_a_lost_connection_gave_back_are_forgiven(rabbit, tmp_path, queue_name):
+    """Three connection losses with a task in hand: the broker redelivers it three times
+    (classic queue: flagged redelivered, so the store counts it), yet it is no suspect,
+    because the worker knew it held it and forgave each. A SIGKILLed worker could not:
+    the same count without forgiveness makes it one."""
+    from harness import make_config
+
+    from crawld.config import load_config
+    from crawld.fetch import Fetcher
+    from crawld.pipeline.handler import DeliveryHandler
+    from crawld.store import open_store
+    from crawld.task import new_task
+    from crawld.transports.amqp import AmqpTransport
+
+    cfg = load_config(str(make_config(
+        tmp_path, broker_url=rabbit.url, transport="amqp", queue={"name": queue_name, "prefetch": 1,
+                                                                  "max_deliver": 3},
+        store={"url": f"sqlite:///{tmp_path}/s.db", "body_dir": str(tmp_path / "bodies")},
+        broker={"reconnect_max_s": 1})))
+    store = open_store(cfg.store)
+    fetcher = Fetcher(cfg.fetch)
+    handler = DeliveryHandler(cfg, store, fetcher, worker_id="test:1", counts_deliveries=False)
+    transport = AmqpTransport(cfg, "test:1")
+    transport.set_giveback_listener(handler.forgive)
+    got: list = []
+    try:
+        transport.connect()
+        task = new_task(f"http://127.0.0.1:9/{_key()}")
+        with rabbit.channel() as ch:
+            ch.basic_publish("", queue_name, task.to_body())
+        transport.start_consuming(got.append, lambda: 1)
+        for loss in range(4):
+            wait_until(lambda: (transport.poll(0.05), len(got) > loss)[1], 30, what=f"delivery {loss + 1}")
+            if loss:
+                assert got[loss].redelivered
+                handler.guard.check(got[loss], task)         # what the handler does on each copy
+            if loss < 3:
+                rabbit.ctl("close_all_connections", "test: drop the worker's connection")
+                wait_until(lambda: (transport.poll(0.05), not transport.connected)[1], 30, what="loss seen")
+        handler.guard.flush()
+        assert store.forgiven(task.task_id) == 3
+        assert store.bump_redelivery(task.task_id, delta=0) == 3, "the broker did redeliver it 3 times"
+        assert not handler.guard.check(got[3], task).suspect
+        store.forgive({task.task_id: -3})                    # as if SIGKILLed: nothing forgiven
+        assert handler.guard.check(got[3], task).suspect
+    finally:
+        transport.close()
+        fetcher.close()
+        store.close()
