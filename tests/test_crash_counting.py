@@ -106,7 +106,7 @@ def test_10000_healthy_sigkill_every_2s_two_broker_restarts_none_dead_none_lost(
                          queue={"prefetch": 16, "max_deliver": 3, "ack_wait_s": 5},
                          broker={"reconnect_max_s": 1})
     key = _key()
-    assert daemon.publish([site.url(f"/slow/0.02/{key}-{i}") for i in range(tasks)]).returncode == 0
+    assert daemon.publish([site.url(f"/slow/0.3/{key}-{i}") for i in range(tasks)]).returncode == 0
     daemon.start()
     wait_until(lambda: daemon.finished() >= 500, 60, what="the run under way")
     chaos = Chaos(daemon, kills=7).start()

@@ -72,6 +72,7 @@ def assert_all_stored_none_dead(daemon: Crawld, n: int) -> None:
     assert daemon.count("dead") == 0, daemon.store.list_dead()
     assert daemon.count("results") == n
     assert daemon.count("attempts") == 0, "no attempt used: the fault was the worker's"
+    assert daemon.count("results", "attempts != 1") == 0, "a deferred delivery used no attempt"
     rc, rec = daemon.reconcile()
     assert rc == 0 and rec["lost"] == []
 
