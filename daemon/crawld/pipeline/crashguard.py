@@ -96,7 +96,8 @@ class CrashGuard:
         except Exception as exc:
             with self._lock:
                 self._owed.update(owed)
-            log.warning("forgiveness_deferred", tasks=len(owed), error=repr(exc))
+            # debug: the pause that explains it was logged once already
+            log.debug("forgiveness_deferred", tasks=len(owed), error=repr(exc))
 
     @property
     def owed(self) -> int:

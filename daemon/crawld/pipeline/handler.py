@@ -139,6 +139,8 @@ class DeliveryHandler:
                         url=task.url if task else "", attempt=delivery.attempt)
         if self.counts_deliveries:       # JetStream: the nak is one more num_delivered
             self.forgive([delivery])
+            if fault != Fault.STORE:     # written before the nak, so no copy can miss it
+                self.guard.flush()
         delays = self.cfg.queue.retry_delays_s
         return Settlement(Action.DEFER, delay_s=delays[0] if delays else 1.0, reason=fault,
                           error=error[:500], task=task)
