@@ -52,6 +52,10 @@ def test_env_overrides_every_type(tmp_path):
     ("", {"CRAWLD_QUEUE_PREFETCH": "lots"}, "queue.prefetch"),
     ("[nope]\nx = 1\n", {}, "[nope]"),
     ("[workers\n", {}, "invalid TOML"),
+    ("[fetch]\nbreaker_ratio = 1.5\n", {}, "fetch.breaker_ratio"),
+    ("[fetch]\nbreaker_min_sites = 1\n", {}, "fetch.breaker_min_sites"),
+    ("", {"CRAWLD_STORE_LOCK_WAIT_S": "0"}, "store.lock_wait_s"),
+    ("[workers]\nprobe_max_s = -1\n", {}, "workers.probe_max_s"),
 ])
 def test_bad_config_names_the_key(tmp_path, text, env, key):
     path = tmp_path / "c.toml"

@@ -4,6 +4,8 @@ real local website, through every Action; RELEASE through a worker's drain; and 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -168,7 +170,7 @@ def test_server_error_retries_with_the_tier_delay(make_handler, store, site):
     assert recorder.calls == ["before_fetch"], "nothing stored as a result"
 
 
-def test_store_unavailable_retries_instead_of_acking(make_handler, store, site, monkeypatch):
+def test_store_unavailable_is_deferred_without_an_attempt(make_handler, store, site, monkeypatch):
     class Bug(Middleware):
         def before_fetch(self, delivery: Delivery, task: Any) -> None:
             raise RuntimeError("bug in our code")
@@ -178,10 +180,13 @@ def test_store_unavailable_retries_instead_of_acking(make_handler, store, site, 
 
     monkeypatch.setattr(store, "put_dead", store_down)
     task_id, d = task_delivery(site.url(f"/fast/{_key()}"))
-    settlement = make_handler(middleware=Bug()).handle(d)
-    assert (settlement.action, settlement.reason) == (Action.RETRY, Reason.STORE_UNAVAILABLE)
+    handler = make_handler(middleware=Bug())
+    settlement = handler.handle(d)
+    assert (settlement.action, settlement.reason) == (Action.DEFER, "store")
     assert settlement.delay_s == 1.0 and "disk gone" in settlement.error
     assert store.get_result(task_id) is None, "nothing was stored, so nothing may be acked"
+    assert store.attempts_for(task_id) == [], "no attempt used: not the task's fault"
+    assert handler.pause.reason == "store", "the worker pauses on its own fault"
 
 
 # -- DEAD -------------------------------------------------------------------------------
@@ -202,13 +207,16 @@ def test_delivered_past_max_deliver_is_dead_without_a_fetch(make_handler, store,
     assert store.list_dead(task_ids=[task_id])[0].reason == "retries_exhausted"
 
 
-def test_broker_counted_redeliveries_hit_the_delivery_limit(make_handler, store, site):
+def test_broker_counted_redeliveries_make_a_suspect_that_runs_alone(make_handler, store, site):
+    """At the limit a task is only a suspect: it runs alone, and surviving that, is stored."""
     path = f"/fast/{_key()}"
     task_id, d = task_delivery(site.url(path), redelivered=True, broker_redeliveries=MAX_DELIVER)
-    settlement = make_handler(counts_deliveries=True).handle(d)
-    assert (settlement.action, settlement.reason) == (Action.DEAD, Reason.REDELIVERY_LIMIT)
-    assert site.hits(path) == 0
-    assert store.list_dead(task_ids=[task_id])[0].reason == "redelivery_limit"
+    handler = make_handler(counts_deliveries=True)
+    assert handler.guard.check(d, new_task(site.url(path))).suspect
+    settlement = handler.handle(d)
+    assert (settlement.action, settlement.reason) == (Action.ACK, "fetched")
+    assert site.hits(path) == 1 and store.list_dead(task_ids=[task_id]) == []
+    assert store.quarantined(task_id) is None, "a survived quarantine run leaves no row"
 
 
 def test_store_counted_redeliveries_hit_the_delivery_limit(make_handler, store, site):
@@ -219,9 +227,32 @@ def test_store_counted_redeliveries_hit_the_delivery_limit(make_handler, store, 
     for _ in range(MAX_DELIVER - 1):
         store.bump_redelivery(task_id)          # earlier copies died with their worker
     _, d = task_delivery(site.url(path), redelivered=True)
-    settlement = handler.handle(d)
-    assert (settlement.action, settlement.reason) == (Action.DEAD, "redelivery_limit")
+    task = new_task(site.url(path))
+    assert handler.guard.check(d, task).suspect
+    store.bump_redelivery(task_id, delta=-1)    # undo the check's own count
+    assert handler.handle(d).action is Action.ACK and site.hits(path) == 1
+
+
+def test_quarantine_row_of_a_dead_worker_is_poison_without_a_fetch(make_handler, store, site):
+    """A suspect's alone run that killed its worker leaves its row: the next copy is dead."""
+    path = f"/fast/{_key()}"
+    task_id, d = task_delivery(site.url(path), redelivered=True, broker_redeliveries=MAX_DELIVER + 1)
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    store.quarantine_begin(task_id, f"{socket.gethostname()}:{dead_pid.pid}")
+    settlement = make_handler().handle(d)
+    assert (settlement.action, settlement.reason) == (Action.DEAD, Reason.POISON)
     assert site.hits(path) == 0
+    assert store.list_dead(task_ids=[task_id])[0].reason == "poison"
+
+
+def test_quarantine_row_of_a_live_worker_is_not_poison(make_handler, store, site):
+    """A run that ended in a store error left its row, but its worker lives: run it again."""
+    path = f"/fast/{_key()}"
+    task_id, d = task_delivery(site.url(path), redelivered=True, broker_redeliveries=MAX_DELIVER)
+    store.quarantine_begin(task_id, f"{socket.gethostname()}:{os.getpid()}")
+    assert make_handler().handle(d).action is Action.ACK and site.hits(path) == 1
+    assert store.quarantined(task_id) is None
 
 
 def test_jetstream_style_redelivery_is_not_counted_twice(make_handler, store, site):
@@ -268,10 +299,17 @@ def test_bug_in_our_code_is_dead_not_retried(make_handler, store, site):
 # -- RELEASE ----------------------------------------------------------------------------
 def test_release_forgives_the_redelivery_it_causes(make_handler, store, site):
     task_id, d = task_delivery(site.url(f"/fast/{_key()}"))
-    settlement = make_handler(counts_deliveries=False).release(d)
+    handler = make_handler(counts_deliveries=False)
+    settlement = handler.release(d)
     assert (settlement.action, settlement.reason) == (Action.RELEASE, Reason.DRAINING)
-    # the broker redelivers it flagged redelivered; the pre-paid -1 cancels that count
-    assert store.bump_redelivery(task_id) == 0
+    handler.guard.flush()
+    # the broker redelivers it flagged redelivered: that one is forgiven, so even with
+    # MAX_DELIVER - 1 crashes before it the copy is no suspect
+    for _ in range(MAX_DELIVER - 1):
+        store.bump_redelivery(task_id)
+    again = delivery(d.body, redelivered=True)
+    assert store.forgiven(task_id) == 1
+    assert not handler.guard.check(again, new_task(json.loads(d.body)["url"])).suspect
     assert store.get_result(task_id) is None and store.list_dead(task_ids=[task_id]) == []
 
 
@@ -333,7 +371,7 @@ def test_worker_drain_releases_the_unstarted_and_finishes_the_started(cfg, store
     assert len(transport.settled) == 2 and transport.closed
     assert store.get_result(running_id)["writes"] == 1 and store.get_result(queued_id) is None
     assert site.total_hits(f"/fast/{key}") == 0
-    assert store.bump_redelivery(queued_id) == 0
+    assert store.forgiven(queued_id) == 1, "its redelivery will not count as a crash"
     assert worker.state.state is Phase.STOPPED and worker.state.done == 1
     assert worker.state.inflight == 0
 

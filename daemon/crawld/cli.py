@@ -12,9 +12,10 @@ from typing import Any, Callable, Sequence
 
 from crawld import __version__
 from crawld.config import Config, ConfigError, load_config, redact_url
-from crawld.logs import setup_logging
+from crawld.logs import get_logger, setup_logging
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+STORE_CHECK_WAIT_S = 2.0     # `crawld run`: how long the start-up store check retries a refusal
 
 
 class UsageError(Exception):
@@ -122,10 +123,26 @@ def _open_store(cfg: Config) -> Any:
         raise ConfigError(f"store.url: cannot open {redact_url(cfg.store.url)}: {exc}") from None
 
 
+def check_store_at_start(cfg: Config) -> None:
+    """A wrong store (no such database, bad password) is a config error: exit 2. A store
+    that is only not up yet (PostgreSQL still starting at host boot) is not: the workers
+    wait for it, paused (process/boot.py)."""
+    from crawld.process.boot import store_not_ready
+    from crawld.store import open_store
+    try:
+        open_store(cfg.store, connect_wait_s=STORE_CHECK_WAIT_S).close()
+    except Exception as exc:
+        if not store_not_ready(exc, cfg.store.url):
+            raise ConfigError(f"store.url: cannot open {redact_url(cfg.store.url)}: {exc}") from None
+        get_logger("crawld.supervisor").warning("store_not_ready", store_url=redact_url(cfg.store.url),
+                                                error=" ".join(str(exc).split())[:300],
+                                                workers="wait for it, paused")
+
+
 def cmd_run(args: argparse.Namespace, cfg: Config) -> int:
     from crawld.process.supervisor import Supervisor
     setup_logging(cfg.log, "supervisor")
-    _open_store(cfg).close()          # fail fast (exit 2) on a bad store, before forking
+    check_store_at_start(cfg)         # fail fast (exit 2) on a bad store, before forking
 
     def reload() -> Config:
         return config_from_args(args)

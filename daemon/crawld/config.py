@@ -54,6 +54,7 @@ class WorkersConfig:
     liveness_timeout_s: float = 60.0
     crash_limit: int = 10
     backoff_max_s: float = 30.0
+    probe_max_s: float = 30.0
     pid_file: str = ""
     run_dir: str = ""
 
@@ -72,6 +73,9 @@ class FetchConfig:
     retry_after_max_s: float = 3600.0
     allow_networks: tuple[str, ...] = ()
     dns_servers: tuple[str, ...] = ()
+    breaker_window: int = 20
+    breaker_ratio: float = 0.8
+    breaker_min_sites: int = 3
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class StoreConfig:
     bodies: str = "warc"
     warc_dir: str = ""
     warc_max_bytes: int = 1 << 30
+    lock_wait_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -256,6 +261,7 @@ def validate(cfg: Config) -> None:
         (cfg.workers.liveness_timeout_s >= 1, "workers.liveness_timeout_s: must be >= 1"),
         (cfg.workers.crash_limit >= 1, "workers.crash_limit: must be >= 1"),
         (cfg.workers.backoff_max_s > 0, "workers.backoff_max_s: must be > 0"),
+        (cfg.workers.probe_max_s > 0, "workers.probe_max_s: must be > 0"),
         (cfg.fetch.timeout_s > 0, "fetch.timeout_s: must be > 0"),
         (cfg.fetch.connect_timeout_s > 0, "fetch.connect_timeout_s: must be > 0"),
         (cfg.fetch.max_body_bytes > 0, "fetch.max_body_bytes: must be > 0"),
@@ -263,6 +269,10 @@ def validate(cfg: Config) -> None:
         (bool(cfg.fetch.user_agent.strip()), "fetch.user_agent: must not be empty"),
         (cfg.fetch.per_host_concurrency >= 1, "fetch.per_host_concurrency: must be >= 1"),
         (cfg.fetch.per_host_delay_s >= 0, "fetch.per_host_delay_s: must be >= 0"),
+        (cfg.fetch.breaker_window >= 2, "fetch.breaker_window: must be >= 2"),
+        (0 < cfg.fetch.breaker_ratio <= 1, "fetch.breaker_ratio: must be > 0 and <= 1"),
+        (cfg.fetch.breaker_min_sites >= 2, "fetch.breaker_min_sites: must be >= 2"),
+        (cfg.store.lock_wait_s > 0, "store.lock_wait_s: must be > 0"),
         (cfg.store.url.startswith(("sqlite:///", "postgresql://", "postgres://")), "store.url: must start with sqlite:/// or postgresql://"),
         (cfg.store.bodies in ("warc", "files", "none"), "store.bodies: must be 'warc', 'files' or 'none'"),
         (cfg.store.warc_max_bytes >= 1 << 20, "store.warc_max_bytes: must be >= 1048576 (1 MiB)"),

@@ -33,6 +33,8 @@ class Metrics:
         self.fetch_seconds = Histogram("crawld_fetch_seconds", "Fetch wall time", buckets=FETCH_BUCKETS)
         self.inflight = Gauge("crawld_inflight", "Deliveries being processed", multiprocess_mode="livesum")
         self.http_status = Counter("crawld_http_responses", "HTTP responses by status", ["status"])
+        self.paused = Gauge("crawld_paused", "Workers paused by a fault of their own, by reason",
+                            ["reason"], multiprocess_mode="livesum")
 
     def on_received(self, redelivered: bool) -> None:
         if self.enabled:
@@ -60,6 +62,10 @@ class Metrics:
     def on_reconnect(self) -> None:
         if self.enabled:
             self.reconnects.inc()
+
+    def set_paused(self, reason: str, paused: bool) -> None:
+        if self.enabled:
+            self.paused.labels(reason).set(1 if paused else 0)
 
     def set_inflight(self, value: int) -> None:
         if self.enabled:

@@ -15,6 +15,7 @@ and keep themselves isolated with a unique ``<key>`` segment:
 ``/retry-after/<seconds>/<key>``   first hit 429 with ``Retry-After: seconds``, then 200
 ``/big/<bytes>/<key>``             200 with a body of that many bytes
 ``/chunked/<bytes>/<key>``         random bytes (seeded by the path), chunked, no Content-Length
+``/unique/<bytes>/<key>``          200, that many bytes unique to the path (one body file each)
 =================================  ===============================================
 
 The server counts hits per path and records how many requests were in flight at once,
@@ -181,6 +182,7 @@ class TestSite:
             "retry-after": self._retry_after,
             "big": self._big,
             "chunked": self._chunked,
+            "unique": self._unique,
         }
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -328,3 +330,7 @@ class TestSite:
         size = min(int(parts[0]), MAX_BIG_BYTES)
         return 200, {"Content-Type": "application/octet-stream", "Transfer-Encoding": "chunked"}, \
             random.Random(path).randbytes(size)   # incompressible, the same on every hit
+    def _unique(self, parts: list[str], path: str, hit: int) -> Response:
+        size = min(int(parts[0]), MAX_BIG_BYTES)
+        line = (path + "\n").encode()
+        return 200, {"Content-Type": "application/octet-stream"}, (line * (size // len(line) + 1))[:size]

@@ -50,7 +50,8 @@ def format_status(report: dict[str, Any]) -> str:
                      f"{'retried':>7} {'dead':>5} {'age':>8}")
         for w in sup["workers"]:
             lines.append(f"  {w['pid']:>7} {w['slot']:>4} {w['state']:<10} {w['inflight']:>8} "
-                         f"{w['done']:>8} {w['retried']:>7} {w['dead']:>5} {w['age_s']:>7.0f}s")
+                         f"{w['done']:>8} {w['retried']:>7} {w['dead']:>5} {w['age_s']:>7.0f}s"
+                         f"{_paused_note(w)}")
     else:
         lines.append("supervisor: not running on this host (no state file)")
     b = report["broker"]
@@ -79,6 +80,13 @@ def format_status(report: dict[str, Any]) -> str:
         f"  oldest waiting       {_fmt(s['oldest_waiting_s'])}",
     ]
     return "\n".join(lines)
+
+
+def _paused_note(worker: dict[str, Any]) -> str:
+    """Why a paused worker is not consuming: the fault it is probing, and since when."""
+    if not worker.get("paused_reason"):
+        return ""
+    return f"  paused: {worker['paused_reason']} for {worker.get('paused_s', 0):.0f}s"
 
 
 def _fmt(seconds: float | None) -> str:

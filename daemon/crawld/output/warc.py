@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NamedTuple, Self
+from typing import NamedTuple, Self
 from urllib.parse import urlsplit
 
 from warcio.statusandheaders import StatusAndHeadersParser

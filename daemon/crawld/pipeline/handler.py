@@ -11,6 +11,7 @@ No broker, no threads of its own: tests drive it with a plain Delivery.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import time
@@ -23,9 +24,13 @@ from crawld.logs import get_logger
 from crawld.metrics import Metrics
 from crawld.output.events import event_body
 from crawld.output.sinks import BodyFiles, BodySink
+from crawld.pipeline.breaker import NetworkBreaker
 from crawld.pipeline.classify import Decision, Verdict, classify
+from crawld.pipeline.crashguard import CrashGuard
+from crawld.pipeline.faults import Fault, local_fault
 from crawld.pipeline.middleware import Middleware
 from crawld.pipeline.outcomes import Reason, malformed
+from crawld.process.pause import Pause
 from crawld.store import DeadRow, ResultRow, Store
 from crawld.task import MalformedMessage, Task, parse_message
 from crawld.transports.base import Action, Delivery, EventPublisher, NoEvents, Settlement
@@ -42,7 +47,8 @@ class DeliveryHandler:
     def __init__(self, cfg: Config, store: Store, fetcher: Fetcher, *, worker_id: str,
                  counts_deliveries: bool, metrics: Metrics | None = None,
                  middleware: Middleware | None = None, sink: BodySink | None = None,
-                 events: EventPublisher | None = None) -> None:
+                 events: EventPublisher | None = None, pause: Pause | None = None,
+                 breaker: NetworkBreaker | None = None) -> None:
         self.cfg = cfg
         self.sink = sink or BodyFiles(store)
         self.events = events or NoEvents()
@@ -56,20 +62,32 @@ class DeliveryHandler:
         self.middleware = middleware or Middleware()
         self._claims = _Claims(cfg.fetch.timeout_s + CLAIM_GRACE_S)
         self.event_timeout_s = EVENT_TIMEOUT_S
+        self.pause = pause or Pause({}, cfg.workers.probe_max_s, lambda: False)
+        self.breaker = breaker or NetworkBreaker(cfg.fetch.breaker_window, cfg.fetch.breaker_ratio,
+                                                 cfg.fetch.breaker_min_sites)
+        self.guard = CrashGuard(cfg, store, counts_deliveries=counts_deliveries, worker_id=worker_id)
 
     # -- the path -----------------------------------------------------------------------
     def handle(self, delivery: Delivery) -> Settlement:
         """Never raises: a bug in our code becomes a dead row, never a retry loop."""
         try:
-            return self._handle(delivery)
+            settlement = self._handle(delivery)
         except Exception as exc:
+            fault = local_fault(exc)
+            if fault is not None:
+                return self._defer(delivery, fault, repr(exc))
             return self._internal_error(delivery, exc)
+        if self.guard.owed and not self.pause.reason:
+            self.guard.flush()
+        return settlement
 
     def _handle(self, delivery: Delivery) -> Settlement:
         try:
             task = self._parse(delivery)
         except MalformedMessage as exc:
             return self._malformed(delivery, exc)
+        if self.pause.reason:      # paused: hand back what was already prefetched, untouched
+            return self._defer(delivery, self.pause.reason, "", task)
         with self._claims.hold(task.task_id):
             return self._handle_task(delivery, task)
 
@@ -79,45 +97,62 @@ class DeliveryHandler:
             bound.info("duplicate_skipped", redelivered=delivery.redelivered)
             return self._announce_duplicate(task, bound) or Settlement(
                 Action.ACK, reason=Reason.DUPLICATE, task=task)
-        guard = self._delivery_limit(delivery, task)
-        if guard is not None:
-            bound.error("delivery_limit_reached", reason=guard.reason, error=guard.error)
-            return self._dead(delivery, task, guard)
+        guard = self.guard.check(delivery, task)
+        if guard.attempt != delivery.attempt:     # deliveries forgiven: the attempt it really is
+            delivery = dataclasses.replace(delivery, attempt=guard.attempt)
+            bound = bound.bind(attempt=guard.attempt)
+        if guard.dead is not None:
+            bound.error("delivery_limit_reached", reason=guard.dead.reason, error=guard.dead.error)
+            return self._dead(delivery, task, guard.dead)
+        if guard.suspect:
+            bound.warning("suspect_isolated", worker=self.worker_id)
+            with self.guard.alone(task):
+                settlement = self._fetch_and_record(delivery, task, bound)
+            bound.warning("suspect_survived", action=settlement.action.value, reason=settlement.reason)
+            return settlement
+        with self.guard.isolation.shared():
+            return self._fetch_and_record(delivery, task, bound)
+
+    def _fetch_and_record(self, delivery: Delivery, task: Task, bound: Any) -> Settlement:
         self.middleware.before_fetch(delivery, task)
         result = self.fetcher.fetch(task.url)
         self.metrics.on_fetch(result.elapsed_s, result.http_status)
+        if self.breaker.record(result):     # unreachable, like most sites lately: this host
+            return self._defer(delivery, Fault.NETWORK, result.error, task)
         decision = classify(result, delivery.attempt, self.cfg.queue.max_deliver,
                             self.cfg.queue.retry_delays_s, self.cfg.fetch.retry_after_max_s)
         return self._record(delivery, task, result, decision, bound)
 
     def release(self, delivery: Delivery) -> Settlement:
         """A delivery a draining worker never started: give it back, no attempt used."""
-        self._forgive_redelivery(delivery)
+        self.forgive([delivery])
         return Settlement(Action.RELEASE, reason=Reason.DRAINING)
 
-    # -- the crash-loop guard -------------------------------------------------------------
-    def _delivery_limit(self, delivery: Delivery, task: Task) -> Decision | None:
-        """Stop a task that keeps killing its worker from being redelivered forever."""
-        limit = self.cfg.queue.max_deliver
-        if delivery.attempt > limit:
-            return Decision(Verdict.DEAD, reason=Reason.RETRIES_EXHAUSTED,
-                            error=f"delivered {delivery.attempt} times (max_deliver {limit})")
-        count = delivery.broker_redeliveries
-        if count is None and delivery.redelivered and not self.counts_deliveries:
-            count = self.store.bump_redelivery(task.task_id)
-        if count is not None and count >= limit:
-            return Decision(Verdict.DEAD, reason=Reason.REDELIVERY_LIMIT,
-                            error=f"redelivered {count} times without being settled (worker crashes?)")
-        return None
+    # -- not the task's fault ----------------------------------------------------------
+    def forgive(self, deliveries: list[Delivery]) -> None:
+        """Deliveries given back on purpose or by a lost connection: their redelivery must
+        not count toward the crash guard (owed in memory; ``guard.flush`` writes it)."""
+        ids = []
+        for delivery in deliveries:
+            try:
+                ids.append(self._parse(delivery).task_id)
+            except MalformedMessage:    # dead at once anyway, whatever its count
+                pass
+        self.guard.forgive(ids)
 
-    def _forgive_redelivery(self, delivery: Delivery) -> None:
-        """A delivery given back on purpose must not count toward the crash guard."""
-        if self.counts_deliveries:
-            return
-        try:
-            self.store.bump_redelivery(self._parse(delivery).task_id, delta=-1)
-        except Exception:    # malformed or store trouble: the guard may count it once more
-            pass
+    def _defer(self, delivery: Delivery, fault: str, error: str, task: Task | None = None) -> Settlement:
+        """Back to the broker without using an attempt; the first report pauses the worker."""
+        if self.pause.trip(fault, error):
+            log.warning("worker_fault", reason=fault, error=error[:300], worker=self.worker_id,
+                        task_id=task.task_id if task else delivery.message_id,
+                        url=task.url if task else "", attempt=delivery.attempt)
+        if self.counts_deliveries:       # JetStream: the nak is one more num_delivered
+            self.forgive([delivery])
+            if fault != Fault.STORE:     # written before the nak, so no copy can miss it
+                self.guard.flush()
+        delays = self.cfg.queue.retry_delays_s
+        return Settlement(Action.DEFER, delay_s=delays[0] if delays else 1.0, reason=fault,
+                          error=error[:500], task=task)
 
     # -- store writes, each followed by the Settlement that may ack it ----------------
     def _record(self, delivery: Delivery, task: Task, result: FetchResult, decision: Decision,
@@ -203,12 +238,10 @@ class DeliveryHandler:
             return self._dead(delivery, task, Decision(Verdict.DEAD, reason=Reason.INTERNAL_ERROR,
                                                        error=repr(exc)[:500]))
         except Exception as store_exc:
-            # The store itself is failing: do not ack; a delayed retry keeps the task safe.
+            # The store itself is failing: not the task's fault, no attempt used.
             log.error("store_unavailable", task_id=delivery.message_id, attempt=delivery.attempt,
                       error=repr(store_exc))
-            delays = self.cfg.queue.retry_delays_s
-            return Settlement(Action.RETRY, delay_s=delays[0] if delays else 1.0,
-                              reason=Reason.STORE_UNAVAILABLE, error=repr(store_exc)[:500])
+            return self._defer(delivery, local_fault(store_exc) or Fault.STORE, repr(store_exc))
 
     def _parse(self, delivery: Delivery) -> Task:
         return parse_message(delivery.body, delivery.message_id, self.cfg.queue.max_message_bytes)

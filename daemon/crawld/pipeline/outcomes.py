@@ -17,6 +17,7 @@ class Reason(enum.StrEnum):
     STORE_UNAVAILABLE = "store_unavailable"   # cannot even write the dead row: retry later
     DRAINING = "draining"                     # given back unstarted during a graceful stop
     EVENT_UNCONFIRMED = "event_unconfirmed"   # stored, but the result event was not confirmed
+    POISON = "poison"                         # killed its worker while running alone
 
 
 MALFORMED_PREFIX = "malformed:"

@@ -47,7 +47,7 @@ class Child:
 
     @property
     def running(self) -> bool:
-        return self.reported in (Phase.RUNNING, Phase.DRAINING)
+        return self.reported in (Phase.RUNNING, Phase.DRAINING, Phase.PAUSED)
 
     @property
     def phase(self) -> str:
@@ -76,6 +76,8 @@ class Child:
                 "state": self.phase, "inflight": counter("inflight", 0), "done": counter("done", 0),
                 "retried": counter("retried", 0), "dead": counter("dead", 0),
                 "redelivered": counter("redelivered", 0), "stats": counter("stats", {}),
+                "deferred": counter("deferred", 0), "paused_reason": counter("paused_reason", ""),
+                "paused_s": round(time.time() - counter("paused_since"), 1) if counter("paused_since") else 0.0,
                 "age_s": round(now - self.started_at, 1), "last_beat_s": round(now - self.last_beat, 1)}
 
 

@@ -15,6 +15,7 @@ class Phase(enum.StrEnum):
     CONNECTING = "connecting"
     RUNNING = "running"
     DRAINING = "draining"
+    PAUSED = "paused"           # a fault of its own (disk, store, network): probing, not consuming
     STOPPED = "stopped"
     RETIRING = "retiring"       # supervisor's view: running, but being replaced (HUP, TTOU)
 

@@ -23,10 +23,13 @@ from crawld.fetch import Fetcher
 from crawld.logs import get_logger
 from crawld.metrics import Metrics
 from crawld.output.sinks import BodySink, make_body_sink
+from crawld.pipeline.breaker import NetworkBreaker
+from crawld.pipeline.faults import Fault
 from crawld.pipeline.handler import DeliveryHandler
 from crawld.pipeline.middleware import Middleware, MiddlewareChain, load_middleware
 from crawld.pipeline.outcomes import Reason
 from crawld.process.heartbeat import Heartbeat
+from crawld.process.pause import Change, Pause, write_probe
 from crawld.process.states import Phase
 from crawld.stats import Stats
 from crawld.store import Store
@@ -47,6 +50,9 @@ class WorkerState:
     dead: int = 0
     duplicates: int = 0
     redelivered: int = 0
+    deferred: int = 0
+    paused_reason: str = ""
+    paused_since: float = 0.0
     started_at: float = 0.0
 
 
@@ -64,16 +70,20 @@ class Worker:
         self.metrics = metrics or Metrics(enabled=False)
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.middleware = middleware or MiddlewareChain()
+        self._stop = False
+        self.breaker = NetworkBreaker(cfg.fetch.breaker_window, cfg.fetch.breaker_ratio,
+                                      cfg.fetch.breaker_min_sites, cfg.fetch.connect_timeout_s)
+        self.pause = Pause(self._probes(), cfg.workers.probe_max_s, lambda: self._stop)
         self.handler = DeliveryHandler(cfg, store, fetcher, worker_id=self.worker_id,
                                        counts_deliveries=transport.counts_deliveries,
                                        metrics=self.metrics, middleware=self.middleware,
-                                       sink=self.sink, events=self.events)
+                                       sink=self.sink, events=self.events,
+                                       pause=self.pause, breaker=self.breaker)
         self.pool = ThreadPoolExecutor(max_workers=cfg.workers.threads, thread_name_prefix="fetch")
         self.state = WorkerState(started_at=time.time())
         self._lock = threading.Lock()
         self._futures: dict[Future, Delivery] = {}
         self._started: set[int] = set()         # id() of deliveries a pool thread picked up
-        self._stop = False
         self._fast_stop = False
         self._parent = os.getppid()
         self._beat = Heartbeat.from_env()
@@ -94,6 +104,7 @@ class Worker:
     def run(self) -> int:
         self.transport.set_stop_check(lambda: self._stop)
         self.transport.set_reconnect_listener(self.metrics.on_reconnect)
+        self.transport.set_giveback_listener(self._on_giveback)
         log.info("worker_starting", worker=self.worker_id, transport=self.transport.name,
                  threads=self.cfg.workers.threads, prefetch=self.cfg.queue.prefetch)
         if self.cfg.queue.prefetch > self.cfg.workers.threads:
@@ -119,7 +130,47 @@ class Worker:
             log.warning("supervisor_gone", worker=self.worker_id)
             self._stop = True
         self.middleware.on_tick(self)
+        change = self.pause.poll()
+        if change is not None and not self._stop:
+            self._on_pause_change(change)
         self._heartbeat()
+
+    # -- faults of our own -------------------------------------------------------------
+    def _probes(self) -> dict[str, Any]:
+        """How each fault is tested while paused: the write that failed, for real."""
+        def disk() -> None:
+            write_probe(str(self.store.body_dir))
+            self.store.probe_write()
+        return {Fault.DISK: disk, Fault.STORE: self.store.probe_write, Fault.NETWORK: self.breaker.probe}
+
+    def _on_pause_change(self, change: Change) -> None:
+        """One event per state change. Paused: stop taking deliveries (what is still
+        prefetched is deferred by the handler at once, so nothing ages unacked against
+        AckWait or consumer_timeout). Resumed: write owed forgiveness, consume again."""
+        self.metrics.set_paused(change.reason, change.paused)
+        with self._lock:
+            self.state.paused_reason = change.reason if change.paused else ""
+            self.state.paused_since = time.time() if change.paused else 0.0
+        if change.paused:
+            log.warning("worker_paused", worker=self.worker_id, reason=change.reason, error=change.error,
+                        inflight=self._inflight())
+            self.transport.stop_consuming()
+            self._set_state(Phase.PAUSED)
+            return
+        self.breaker.reset()
+        self.pool.submit(self.handler.guard.flush)
+        log.info("worker_resumed", worker=self.worker_id, reason=change.reason,
+                 paused_s=change.paused_for_s, probes=change.probes, deferred=self.state.deferred)
+        self.transport.start_consuming(self._on_delivery, self._free_slots)
+        self._set_state(Phase.RUNNING)
+
+    def _on_giveback(self, deliveries: list[Delivery]) -> None:
+        """I/O thread: a lost connection or a close handed these back; forgive them."""
+        self.handler.forgive(deliveries)
+        log.info("deliveries_forgiven", worker=self.worker_id, count=len(deliveries),
+                 reason="connection lost or closed")
+        if not self._stop:
+            self.pool.submit(self.handler.guard.flush)
 
     def _drain(self) -> int:
         """Stop taking work, finish what started, give back what did not, close."""
@@ -133,6 +184,7 @@ class Worker:
             self._heartbeat()
         leftover = self._inflight()
         self.transport.close()
+        self.handler.guard.flush()       # what close() gave back, before the pool goes
         self.pool.shutdown(wait=False, cancel_futures=True)
         self._close_outputs(leftover)
         log.info("worker_drained", worker=self.worker_id, released=released, unfinished=leftover,
@@ -156,6 +208,7 @@ class Worker:
     def _stop_fast(self) -> int:
         log.info("worker_fast_stop", worker=self.worker_id, inflight=self._inflight())
         self.transport.close()
+        self.handler.guard.flush()
         os._exit(0)
 
     def _release_unstarted(self, grace_s: float = 1.0) -> int:
@@ -184,6 +237,8 @@ class Worker:
         """How many more deliveries a pull transport may take: queue.prefetch bounds what a
         worker holds (as basic.qos does for AMQP), the thread count what it can start.
         Also while draining: a pull already answered is better processed than given back."""
+        if self.pause.reason:
+            return 0
         limit = min(self.cfg.workers.threads, self.cfg.queue.prefetch)
         return max(0, limit - self._inflight())
 
@@ -229,6 +284,8 @@ class Worker:
                 self.state.retried += 1
             elif settlement.action is Action.DEAD:
                 self.state.dead += 1
+            elif settlement.action is Action.DEFER:
+                self.state.deferred += 1
         self.metrics.on_settled(outcome, settlement.reason)
         self._count_stats(settlement)
 
@@ -262,13 +319,14 @@ class Worker:
 
 def run_worker(cfg: Config) -> int:
     """Entry point of `crawld worker` and of each supervisor child."""
+    from crawld.process.boot import open_store_when_ready
     from crawld.store import open_store
     from crawld.transports import make_event_publisher, make_transport
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     middleware = load_middleware(cfg.pipeline.middleware)   # ConfigError: exit 2, names the key
     try:
         # Writes go through one group-commit thread; the pool serves has_result() reads.
-        store = open_store(cfg.store, pool_size=min(cfg.workers.threads + 2, 6))
+        store = open_store_when_ready(cfg, lambda: open_store(cfg.store, pool_size=min(cfg.workers.threads + 2, 6)))
         store.enable_group_commit()
     except Exception as exc:
         log.error("worker_boot_failed", reason="store", error=repr(exc))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 from crawld.store.group_commit import GroupCommit
+from crawld.store.ledger import LedgerQueries
 from crawld.store.reports import ReportQueries
 from crawld.store.schema import SCHEMA, migrate_added_columns
 from crawld.task import Task
@@ -85,7 +86,7 @@ DEAD_UPSERT = _upsert_sql("dead", _DEAD_WRITE_COLUMNS)
 _IN_CHUNK = 500
 
 
-class Store(ReportQueries):
+class Store(ReportQueries, LedgerQueries):
     """Common logic; subclasses supply connections and the placeholder style."""
 
     placeholder = "?"
@@ -254,7 +255,7 @@ class Store(ReportQueries):
     def remove_dead(self, task_ids: Sequence[str]) -> None:
         """After a replay is confirmed: the task is live again, no longer dead."""
         self._exec_many("DELETE FROM dead WHERE task_id = ?", [(t,) for t in task_ids])
-        self._exec_many("DELETE FROM redeliveries WHERE task_id = ?", [(t,) for t in task_ids])
+        self.reset_delivery_counts(task_ids)
 
     def dead_since(self, since: float) -> int:
         return self._read("SELECT COUNT(*) FROM dead WHERE dead_at >= ?", (since,))[0][0]

@@ -35,6 +35,12 @@ SCHEMA = [
         source TEXT NOT NULL DEFAULT '', replays INTEGER NOT NULL DEFAULT 0)""",
     """CREATE TABLE IF NOT EXISTS redeliveries (
         task_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_at DOUBLE PRECISION NOT NULL)""",
+    # deliveries given back through no fault of the task (store/ledger.py)
+    """CREATE TABLE IF NOT EXISTS forgiven (
+        task_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_at DOUBLE PRECISION NOT NULL)""",
+    # a suspect running alone; still here on its next delivery = it killed its worker
+    """CREATE TABLE IF NOT EXISTS quarantine (
+        task_id TEXT PRIMARY KEY, worker TEXT NOT NULL, started_at DOUBLE PRECISION NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS outbox_state ON outbox (state)",
     "CREATE INDEX IF NOT EXISTS dead_at ON dead (dead_at)",
     "CREATE INDEX IF NOT EXISTS results_fetched ON results (fetched_at)",

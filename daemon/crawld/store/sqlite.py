@@ -14,9 +14,12 @@ from crawld.store.base import Store
 class SQLiteStore(Store):
     """One connection per thread; WAL lets readers run beside the single writer."""
 
-    def __init__(self, path: str | os.PathLike, body_dir: str) -> None:
+    def __init__(self, path: str | os.PathLike, body_dir: str, lock_wait_s: float = 60.0) -> None:
         super().__init__(body_dir)
         self.path = str(path)
+        # Past this wait for another process's write lock, "database is locked" is raised:
+        # a worker fault (pipeline/faults.py), so the worker pauses instead of blocking on.
+        self.lock_wait_s = lock_wait_s
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
@@ -25,11 +28,11 @@ class SQLiteStore(Store):
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+            conn = sqlite3.connect(self.path, timeout=self.lock_wait_s, isolation_level=None)
             conn.execute("PRAGMA journal_mode=WAL")
             # FULL: a stored result survives power loss before we ack it.
             conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA busy_timeout=60000")
+            conn.execute(f"PRAGMA busy_timeout={int(self.lock_wait_s * 1000)}")
             self._local.conn = conn
             with self._lock:
                 self._all.append(conn)

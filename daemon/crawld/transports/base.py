@@ -32,6 +32,7 @@ class Action(enum.Enum):
     RETRY = "retry"      # attempt row stored: delayed redelivery outside the main path
     DEAD = "dead"        # dead row stored: publish to the dead queue/stream, then ack/term
     RELEASE = "release"  # never started (drain): give back at once, no attempt used
+    DEFER = "defer"      # a worker fault (disk, store, network): back after delay_s, no attempt used
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,17 @@ class Transport(abc.ABC):
         listener = getattr(self, "_on_reconnect", None)
         if listener is not None:
             listener()
+
+    def set_giveback_listener(self, on_giveback: Callable[[list[Delivery]], None]) -> None:
+        """Called on the I/O thread with the deliveries a lost connection or a close handed
+        back to the broker unsettled: their redelivery is not the task's fault."""
+        self._on_giveback = on_giveback
+
+    def gave_back(self, deliveries: Iterable[Delivery]) -> None:
+        listener = getattr(self, "_on_giveback", None)
+        given = list(deliveries)
+        if listener is not None and given:
+            listener(given)
 
     def set_stop_check(self, should_stop: Callable[[], bool]) -> None:
         """Lets ``connect`` give up its backoff loop when the worker is told to stop."""

@@ -53,7 +53,7 @@ class AmqpTransport(Transport):
         self._held: list[tuple[Delivery, Settlement]] | None = None
         self._handlers = complete({Action.ACK: self._ack, Action.SKIP: self._ack,
                                    Action.RELEASE: self._requeue, Action.RETRY: self._retry,
-                                   Action.DEAD: self._dead})
+                                   Action.DEAD: self._dead, Action.DEFER: self._defer})
         self.reconnects = 0
 
     # connection life cycle
@@ -140,6 +140,7 @@ class AmqpTransport(Transport):
         """Forget the dead connection; its unacked deliveries are already back in the queue."""
         log.warning("broker_connection_lost", transport="amqp", error=repr(exc),
                     unsettled=len(self._unsettled), generation=self._generations.current)
+        self.gave_back(self._unsettled.values())
         self._unsettled.clear()
         self._consumer_tag = None
         conn, self._conn, self._ch, self._pub = self._conn, None, None, None
@@ -151,6 +152,7 @@ class AmqpTransport(Transport):
 
     def close(self) -> None:
         if self.connected:
+            self.gave_back(self._unsettled.values())
             for delivery in list(self._unsettled.values()):
                 self._nack(delivery)
             try:
@@ -220,6 +222,12 @@ class AmqpTransport(Transport):
     def _retry(self, delivery: Delivery, settlement: Settlement) -> None:
         tier = tier_for(settlement.delay_s, self.cfg.queue.retry_delays_s)
         self._forward(delivery, settlement, retry_queue_name(self.queue, tier), delivery.attempt + 1)
+
+    def _defer(self, delivery: Delivery, settlement: Settlement) -> None:
+        """A worker fault: a fresh copy waits out a retry tier with the attempt header as it
+        was (a new message, so neither redelivered nor counted by a quorum queue)."""
+        tier = tier_for(settlement.delay_s, self.cfg.queue.retry_delays_s)
+        self._forward(delivery, settlement, retry_queue_name(self.queue, tier), delivery.attempt)
 
     def _dead(self, delivery: Delivery, settlement: Settlement) -> None:
         self._forward(delivery, settlement, dead_queue_name(self.queue), delivery.attempt)

@@ -172,6 +172,7 @@ class JetStreamTransport(SettleMixin, Transport):
         """Give up on a closed connection object; its deliveries come back after AckWait."""
         log.warning("broker_connection_lost", transport="jetstream", reason=why,
                     dropped_unsettled=len(self._held), generation=self._generations.current)
+        self.gave_back(h.delivery for h in self._held.values())
         self._held.clear()
         self._backlog.clear()
         self._nc = self._js = self._psub = None
@@ -332,6 +333,7 @@ class JetStreamTransport(SettleMixin, Transport):
 
     async def _release_all(self) -> None:
         held = [h.msg for h in self._held.values() if not h.settling]
+        self.gave_back(h.delivery for h in self._held.values() if not h.settling)
         leftovers = self._drain_subscription()
         await self._release(held + list(self._backlog) + leftovers)
         if held or leftovers:

@@ -60,7 +60,8 @@ class SettleMixin:
     def _settle_handlers(self) -> Mapping[Action, Handler]:
         """Built once per transport (bound methods); ``complete`` checks every Action."""
         return complete({Action.ACK: self._ack, Action.SKIP: self._term, Action.RETRY: self._retry,
-                         Action.RELEASE: self._give_back, Action.DEAD: self._dead_letter})
+                         Action.RELEASE: self._give_back, Action.DEAD: self._dead_letter,
+                         Action.DEFER: self._retry})   # nak(delay); the handler forgave it
 
     def settle(self, delivery: Delivery, settlement: Settlement) -> None:
         """Thread-safe: the broker side runs on the loop during the next poll()."""
