@@ -105,7 +105,7 @@ def test_body_disk_full_then_space_back_nothing_dead_every_body_there(make_crawl
     bodies = small_disk / "bodies"
     daemon = make_crawld(transport, workers={"count": 2, "threads": 4, "probe_max_s": 1},
                          queue={"prefetch": 4, "retry_delays_s": [1, 2], "max_deliver": 3},
-                         store={"body_dir": str(bodies)}, metrics={"port": port})
+                         store={"body_dir": str(bodies), "bodies": "files"}, metrics={"port": port})
     filler = fill(small_disk, leave_bytes=5 * PAGE_BYTES)
     key = _key()
     assert daemon.publish([site.url(f"/unique/{PAGE_BYTES}/{key}-{i}") for i in range(100)]).returncode == 0

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from crawld.config import Config, runtime_dir
+from crawld.config import Config, runtime_dir, warc_directory
 from crawld.fetch import Fetcher
 from crawld.logs import get_logger
 from crawld.metrics import Metrics
@@ -138,8 +138,10 @@ class Worker:
     # -- faults of our own -------------------------------------------------------------
     def _probes(self) -> dict[str, Any]:
         """How each fault is tested while paused: the write that failed, for real."""
+        body_dir = warc_directory(self.cfg.store) if self.cfg.store.bodies == "warc" else str(self.store.body_dir)
+
         def disk() -> None:
-            write_probe(str(self.store.body_dir))
+            write_probe(body_dir)       # where the body sink writes
             self.store.probe_write()
         return {Fault.DISK: disk, Fault.STORE: self.store.probe_write, Fault.NETWORK: self.breaker.probe}
 
