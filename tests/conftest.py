@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import NatsServer, PostgresServer, RabbitNode, make_config  # noqa: E402
+from harness import NatsServer, PostgresServer, RabbitNode, make_config, running_rabbit  # noqa: E402
 
 from crawld.devtools.testsite import TestSite  # noqa: E402
 
@@ -33,12 +33,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # -- servers (session scope: pytest only builds a fixture when some test requests it) ----
 @pytest.fixture(scope="session")
 def rabbit() -> Iterator[RabbitNode]:
-    node = RabbitNode()
-    try:
-        node.start()
+    with running_rabbit() as node:
         yield node
-    finally:
-        node.stop()
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +61,19 @@ def postgres() -> Iterator[PostgresServer]:
 def site() -> Iterator[TestSite]:
     with TestSite() as test_site:
         yield test_site
+
+
+@pytest.fixture(scope="session")
+def sites(site: TestSite) -> Iterator[list[TestSite]]:
+    """Ten sites for the partitioned fleet: ``site`` plus nine more on other loopback
+    addresses (politeness and shards key on the host name, never the port). With 64
+    shards their hosts land in ten different shards, so 2 or 5 workers get equal shares."""
+    others = [TestSite(host=f"127.0.0.{n}").start() for n in range(2, 11)]
+    try:
+        yield [site, *others]
+    finally:
+        for other in others:
+            other.stop()
 
 
 # -- per-test isolation ---------------------------------------------------------------
@@ -109,13 +118,18 @@ def crawld_env(request: pytest.FixtureRequest, tmp_path: Path, tmp_store: StoreP
             server.start()
             request.addfinalizer(server.close)
             broker_url = server.url
-        elif broker_url is None:
-            broker_url = request.getfixturevalue("rabbit").url
+        rabbit = None
+        if broker_url is None and transport != "jetstream":
+            rabbit = request.getfixturevalue("rabbit")
+            broker_url = rabbit.url
         sections["queue"] = {"name": queue_name, **sections.get("queue", {})}
         sections["store"] = {"url": tmp_store.url, "body_dir": str(tmp_store.body_dir),
                              "warc_dir": str(tmp_store.warc_dir), **sections.get("store", {})}
-        return make_config(tmp_path, broker_url=broker_url, transport=transport,
+        path = make_config(tmp_path, broker_url=broker_url, transport=transport,
                            filename=filename, **sections)
+        if rabbit is not None:      # the session node: drop this test's 70-odd queues after it
+            request.addfinalizer(lambda: rabbit.delete_topology(path))
+        return path
 
     return build
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 from harness import wait_until
 
 from crawld.config import load_config
-from crawld.devtools.procs import children_of
+from crawld.devtools.procs import children_of, read_proc
 from crawld.store import Store, open_store
 
 CRAWLD = [sys.executable, "-m", "crawld"]
@@ -74,13 +74,42 @@ class Crawld:
 
     def worker_pids(self) -> list[int]:
         assert self.proc is not None
-        return children_of(self.proc.pid)
+        if self.proc.poll() is not None:
+            return []
+        return self._ours(children_of(self.proc.pid))
+
+    def tree(self) -> list[int]:
+        """The running supervisor and its descendants, each checked to be a process of this
+        config: after the supervisor is reaped its pid number can belong to any new process
+        (pid_max wraps within a long run), and walking "its" children once killed a RabbitMQ
+        node. Empty once the supervisor has exited."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        return self._ours([self.proc.pid, *all_descendants(self.proc.pid)])
+
+    def _ours(self, pids: list[int]) -> list[int]:
+        needle = str(self.config_path)
+        return [pid for pid in pids if (found := read_proc(pid)) and needle in found[0].cmdline]
 
     def wait_workers(self, count: int, timeout: float = 30) -> list[int]:
         wait_until(lambda: len(self.worker_pids()) == count and all(
             self._state_of(p) == "running" for p in self.worker_pids()), timeout,
             what=f"{count} running workers")
         return self.worker_pids()
+
+    def busiest_worker(self, timeout: float = 10) -> int:
+        """The pid of the worker with the most deliveries in flight (partitioned, only the
+        owners of the busy shards have any)."""
+        def inflight() -> dict[int, int]:
+            return {w["pid"]: w.get("inflight", 0) for w in self.supervisor_state().get("workers", [])}
+        wait_until(lambda: any(inflight().values()), timeout, what="a worker with work in flight")
+        counts = inflight()
+        return max(counts, key=counts.__getitem__)
+
+    def work_queue_of(self, url: str) -> str:
+        """The AMQP queue a task for ``url`` is published to (its shard, or the work queue)."""
+        from crawld.transports.amqp.topology import route_for
+        return route_for(load_config(str(self.config_path)), url)
 
     def _state_of(self, pid: int) -> str:
         for w in self.supervisor_state().get("workers", []):
@@ -119,10 +148,11 @@ class Crawld:
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            tree = self.tree()          # the whole tree while the supervisor's pid is ours
             self.proc.kill()
+            for pid in tree:
+                _kill(pid)
             self.proc.wait()
-        for pid in all_descendants(self.proc.pid) if self.proc else []:
-            _kill(pid)
         if self._store is not None:
             self._store.close()
 

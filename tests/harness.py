@@ -77,6 +77,33 @@ class RabbitNode(servers.RabbitNode):
         with self.channel() as ch:
             return ch.queue_declare(name, passive=True).method.message_count
 
+    def work_depth(self, name: str, shards: int = 64) -> int:
+        """Tasks waiting for work: the intake queue ``name`` plus its shard queues (those
+        that exist), whatever the partitioning."""
+        from crawld.fleet.partition import shard_label
+        names = [name] + [f"{name}.shard.{shard_label(i, shards)}" for i in range(shards)]
+        total = 0
+        conn = pika.BlockingConnection(pika.URLParameters(self.url))
+        try:
+            ch = conn.channel()
+            for queue in names:
+                try:
+                    total += ch.queue_declare(queue, passive=True).method.message_count
+                except pika.exceptions.ChannelClosedByBroker:
+                    ch = conn.channel()      # a missing queue closes the channel
+        finally:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                conn.close()
+        return total
+
+    def delete_topology(self, config_path: str | os.PathLike[str]) -> None:
+        """Delete every queue and exchange crawld declares for the config at ``config_path``
+        (the session node would otherwise collect 64 quorum shard queues per test)."""
+        delete_crawld_topology(self.url, config_path)
+
+    def delete_topology_of(self, cfg: Any) -> None:
+        delete_topology_for(self.url, cfg)
+
     def list_queues(self) -> dict[str, int]:
         """``{queue name: ready messages}`` for the default vhost."""
         out = self.ctl("list_queues", "--quiet", "--no-table-headers", "name", "messages_ready").stdout
@@ -108,6 +135,47 @@ class RabbitNode(servers.RabbitNode):
             for name in names:
                 ch.exchange_delete(name)
         return names
+
+
+def delete_crawld_topology(amqp_url: str, config_path: str | os.PathLike[str]) -> None:
+    """Delete the queues and exchanges crawld declares for the config at ``config_path``
+    from the node at ``amqp_url``; nothing if the node is gone (a test's own node)."""
+    import tomllib
+
+    from crawld.config import Config, QueueConfig, _build_section
+    # Only [queue] names the topology: the rest (hooks, middleware) may not even import here.
+    raw = tomllib.loads(Path(config_path).read_text())
+    delete_topology_for(amqp_url, Config(queue=_build_section("queue", QueueConfig, raw.get("queue", {}))))
+
+
+def delete_topology_for(amqp_url: str, cfg: Any) -> None:
+    """Delete the queues and exchanges crawld declares for ``cfg`` (a Config)."""
+    from crawld.transports.amqp.topology import shard_retry_exchange, topology
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(amqp_url + "?connection_attempts=1&socket_timeout=5"))
+    except pika.exceptions.AMQPError:
+        return
+    try:
+        ch = conn.channel()
+        for queue, _args in topology(cfg):
+            ch.queue_delete(queue)
+        ch.exchange_delete(shard_retry_exchange(cfg.queue.name))
+    except pika.exceptions.AMQPError:
+        pass        # the node went away with the test (restarts, kills): nothing to clean
+    finally:
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            conn.close()
+
+
+@contextlib.contextmanager
+def running_rabbit() -> Iterator[RabbitNode]:
+    """A private RabbitMQ node for the block, stopped (files removed) however it ends."""
+    node = RabbitNode()
+    try:
+        node.start()
+        yield node
+    finally:
+        node.stop()
 
 
 class NatsServer(servers.NatsServer):

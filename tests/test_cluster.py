@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator
 
 import pika
 import pytest
-from crawld_proc import Crawld, all_descendants
-from harness import NatsCluster, kill_pid, make_config, run_async, wait_until
+from crawld_proc import Crawld
+from harness import NatsCluster, delete_crawld_topology, kill_pid, make_config, run_async, wait_until
 
 from crawld.config import StoreConfig
 from crawld.store import PostgresStore, ResultRow, open_store
@@ -48,6 +48,7 @@ def make_host(tmp_path: Path, queue_name: str) -> Iterator[Callable[..., Crawld]
     """One config file per "host": its own directory, run_dir (politeness locks, supervisor
     state) and body dir; the same queue name, broker and store for all of them."""
     made: list[Crawld] = []
+    amqp: list[tuple[str, Path]] = []
 
     def build(name: str, *, broker_url: str, transport: str, store_url: str,
               env: dict[str, str] | None = None, **sections: dict[str, Any]) -> Crawld:
@@ -64,22 +65,25 @@ def make_host(tmp_path: Path, queue_name: str) -> Iterator[Callable[..., Crawld]
         daemon = Crawld(make_config(home, broker_url=broker_url, transport=transport, **sections),
                         env=env)
         made.append(daemon)
+        if transport == "amqp":
+            amqp.append((broker_url, daemon.config_path))
         return daemon
 
     yield build
     for daemon in made:
         daemon.close()
+    for url, config_path in dict(amqp).items():     # one queue name for all hosts
+        delete_crawld_topology(url, config_path)
 
 
 def kill_host(daemon: Crawld) -> list[int]:
     """A host dies: freeze the supervisor and every descendant first (so nothing respawns
     and no worker notices its parent's death and drains), then SIGKILL them all."""
-    assert daemon.proc is not None
-    root = daemon.proc.pid
-    pids = [root] + all_descendants(root)
+    assert daemon.proc is not None and daemon.proc.poll() is None
+    pids = daemon.tree()
     for pid in pids:
         kill_pid(pid, signal.SIGSTOP)
-    pids = list(dict.fromkeys(pids + all_descendants(root)))
+    pids = list(dict.fromkeys(pids + daemon.tree()))
     for pid in pids:
         kill_pid(pid, signal.SIGKILL)
     daemon.proc.wait(10)
@@ -104,13 +108,14 @@ TWO_HOST_TASKS = 5000
 
 
 @pytest.mark.parametrize("queue_type", ["classic", "quorum"])
-def test_two_hosts_one_postgres_host_killed_midrun(make_host, rabbit, site, pg_url, queue_type):
+def test_two_hosts_one_postgres_host_killed_midrun(make_host, rabbit, sites, pg_url, queue_type):
+    """Ten sites over four workers (partitioned or not)."""
     common = dict(broker_url=rabbit.url, transport="amqp", store_url=pg_url,
                   workers={"count": 2, "threads": 16}, queue={"prefetch": 16, "type": queue_type})
     host_a = make_host("host-a", **common)
     host_b = make_host("host-b", **common)
     key = _key()
-    urls = [site.url(f"/fast/{key}-{i}") for i in range(TWO_HOST_TASKS)]
+    urls = [sites[i % len(sites)].url(f"/fast/{key}-{i}") for i in range(TWO_HOST_TASKS)]
 
     t0 = time.monotonic()
     published = host_a.publish(urls)
@@ -145,6 +150,7 @@ def test_two_hosts_one_postgres_host_killed_midrun(make_host, rabbit, site, pg_u
         (TWO_HOST_TASKS, TWO_HOST_TASKS)
     assert host_a.count("dead") == 0
     assert rabbit.queue_depth(_queue(host_a)) == 0
+    assert rabbit.work_depth(_queue(host_a)) == 0           # and the shards, when partitioned
 
     # Both hosts worked, and the restarted host A worked again after the kill.
     by_worker = dict(host_a.store.query("SELECT worker, COUNT(*) FROM results GROUP BY worker"))
@@ -169,11 +175,12 @@ def _queue(daemon: Crawld) -> str:
     return load_config(str(daemon.config_path)).queue.name
 
 
-def test_politeness_is_per_host_not_cluster_wide(make_host, rabbit, site, pg_url):
-    """fetch.per_host_concurrency is enforced through lock files in each host's run_dir:
-    two hosts with a limit of 2 may hit one site with up to 4 requests at once, never more."""
+def test_unpartitioned_politeness_is_per_host_not_cluster_wide(make_host, rabbit, site, pg_url):
+    """queue.partition = "none": fetch.per_host_concurrency is enforced through lock files in
+    each host's run_dir: two hosts with a limit of 2 may hit one site with up to 4 requests
+    at once, never more."""
     common = dict(broker_url=rabbit.url, transport="amqp", store_url=pg_url,
-                  workers={"count": 2, "threads": 4}, queue={"prefetch": 4},
+                  workers={"count": 2, "threads": 4}, queue={"prefetch": 4, "partition": "none"},
                   fetch={"per_host_concurrency": 2, "allow_networks": ["127.0.0.0/8"]})
     host_a = make_host("host-a", **common)
     host_b = make_host("host-b", **common)
@@ -425,7 +432,8 @@ def test_quorum_delivery_limit_backstop_when_worker_dies_before_parsing(make_hos
     url = site.url(f"/fast/{_key()}-pre-parse-crash")
     task_id = new_task(url).task_id
     assert host.publish([url]).returncode == 0
-    queue = _queue(host)
+    queue = host.work_queue_of(url)          # its shard queue: quorum, with the same limit
+    dead_queue = dead_queue_name(_queue(host))
     limit = _queue_arguments(rabbit, queue)["x-delivery-limit"]
 
     seen: list[Any] = []                   # x-delivery-count per delivery (None: absent)
@@ -434,26 +442,28 @@ def test_quorum_delivery_limit_backstop_when_worker_dies_before_parsing(make_hos
         params = pika.URLParameters(rabbit.url)
         conn = pika.BlockingConnection(params)
         ch = conn.channel()
+        ch.basic_qos(prefetch_count=1)
+        taken: list[Any] = []              # no basic.get on a single-active-consumer queue
+        ch.basic_consume(queue, lambda _ch, method, props, _body: taken.append((method, props)))
         got = None
         for _ in range(20):                # the return is asynchronous: wait up to ~2 s
-            method, props, _body = ch.basic_get(queue, auto_ack=False)
-            if method is not None:
-                got = (method, props)
+            conn.process_data_events(time_limit=0.1)
+            if taken:
+                got = taken[0]
                 break
-            if rabbit.queue_depth(dead_queue_name(queue)) > 0:
+            if rabbit.queue_depth(dead_queue) > 0:
                 break
-            time.sleep(0.1)
         if got is None:
             conn.close()
             break
         seen.append((got[1].headers or {}).get("x-delivery-count"))
         redelivered.append(bool(got[0].redelivered))
         conn.close()                       # "crash": no ack, the broker takes it back
-    wait_until(lambda: rabbit.queue_depth(dead_queue_name(queue)) == 1, 10,
+    wait_until(lambda: rabbit.queue_depth(dead_queue) == 1, 10,
                what="message dead-lettered by the broker")
     assert rabbit.queue_depth(queue) == 0
     assert len(seen) == limit + 1, seen    # delivered limit+1 times, then dead-lettered
-    headers, body = _dead_queue_messages(rabbit, queue)[0]
+    headers, body = _dead_queue_messages(rabbit, _queue(host))[0]
     x_death = headers.get("x-death") or []
     assert json.loads(body)["task_id"] == task_id
     assert x_death and x_death[0].get("reason") == "delivery_limit", headers

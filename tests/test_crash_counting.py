@@ -98,7 +98,7 @@ class Chaos:
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["amqp", "jetstream"])
 def test_10000_healthy_sigkill_every_2s_two_broker_restarts_none_dead_none_lost(
-        make_crawld, site, transport, request):
+        make_crawld, sites, transport, request):
     broker = broker_for(transport, request)
     tasks = 10_000
     daemon = make_crawld(transport, broker_url=broker.url,
@@ -106,7 +106,9 @@ def test_10000_healthy_sigkill_every_2s_two_broker_restarts_none_dead_none_lost(
                          queue={"prefetch": 16, "max_deliver": 3, "ack_wait_s": 5},
                          broker={"reconnect_max_s": 1})
     key = _key()
-    assert daemon.publish([site.url(f"/slow/0.3/{key}-{i}") for i in range(tasks)]).returncode == 0
+    # Ten sites, as a fleet crawls: partitioned, one site would be one worker's alone.
+    urls = [sites[i % len(sites)].url(f"/slow/0.3/{key}-{i}") for i in range(tasks)]
+    assert daemon.publish(urls).returncode == 0
     daemon.start()
     wait_until(lambda: daemon.finished() >= 500, 60, what="the run under way")
     chaos = Chaos(daemon, kills=7).start()
@@ -130,7 +132,7 @@ def test_10000_healthy_sigkill_every_2s_two_broker_restarts_none_dead_none_lost(
 
 def test_deliveries_a_lost_connection_gave_back_are_forgiven(rabbit, tmp_path, queue_name):
     """Three connection losses with a task in hand: the broker redelivers it three times
-    (classic queue: flagged redelivered, so the store counts it), yet it is no suspect,
+    (the unpartitioned classic work queue: flagged redelivered, so the store counts it), yet it is no suspect,
     because the worker knew it held it and forgave each. A SIGKILLed worker could not:
     the same count without forgiveness makes it one."""
     from harness import make_config
@@ -144,7 +146,8 @@ def test_deliveries_a_lost_connection_gave_back_are_forgiven(rabbit, tmp_path, q
 
     cfg = load_config(str(make_config(
         tmp_path, broker_url=rabbit.url, transport="amqp", queue={"name": queue_name, "prefetch": 1,
-                                                                  "max_deliver": 3},
+                                                                  "max_deliver": 3,
+                                                                  "partition": "none"},
         store={"url": f"sqlite:///{tmp_path}/s.db", "body_dir": str(tmp_path / "bodies")},
         broker={"reconnect_max_s": 1})))
     store = open_store(cfg.store)

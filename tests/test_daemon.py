@@ -18,10 +18,17 @@ def _key() -> str:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_500_urls_three_workers_all_stored(make_crawld, site, transport):
-    daemon = make_crawld(transport, workers={"count": 3, "threads": 8}, queue={"prefetch": 8})
+@pytest.mark.parametrize("partition", ["none", "host"])
+def test_500_urls_three_workers_all_stored(make_crawld, site, sites, transport, partition):
+    """Unpartitioned, three workers share one site's URLs; partitioned (one owner per
+    site), they share the sites."""
+    daemon = make_crawld(transport, workers={"count": 3, "threads": 8},
+                         queue={"prefetch": 8, "partition": partition})
     key = _key()
-    urls = [site.url(f"/fast/{key}-{i}") for i in range(500)]
+    hosts = [site] if partition == "none" else sites
+    # Partitioned, the shards are spread within the first seconds: give the run that long.
+    path = "/fast/" if partition == "none" else "/slow/0.2/"
+    urls = [hosts[i % len(hosts)].url(f"{path}{key}-{i}") for i in range(500)]
     published = daemon.publish(urls)
     assert published.returncode == 0, published.stderr
     assert "confirmed 500" in published.stdout
@@ -75,7 +82,8 @@ def test_sigkill_worker_midfetch_redelivered_and_respawned(make_crawld, site, tr
     daemon.start()
     pids = daemon.wait_workers(2)
     wait_until(lambda: site.total_hits(f"/slow/1/{key}") >= 12, 30, what="fetches in flight")
-    victim = pids[0]
+    victim = daemon.busiest_worker()     # one site: only its shard's owner has work
+    assert victim in pids
     import os
     os.kill(victim, signal.SIGKILL)
     daemon.wait_finished(40, timeout=90)
@@ -121,7 +129,7 @@ def test_publish_twice_is_idempotent(make_crawld, site, transport, rabbit, nats)
     assert "new 0" in second.stdout and "published 0" in second.stdout
     assert daemon.count("outbox") == 50
     if transport == "amqp":
-        assert rabbit.queue_depth(daemon_queue(daemon)) == 50
+        assert rabbit.work_depth(daemon_queue(daemon)) == 50
 
 
 def test_publish_to_missing_queue_stays_new(make_crawld, site):

@@ -44,6 +44,12 @@ def test_demo_200_tasks_end_to_end(tmp_path):
     assert len(dead) == always_500
     assert _ids(db, "SELECT reason FROM dead") == {"retries_exhausted"}
     assert _ids(db, "SELECT url FROM dead") == _ids(db, "SELECT url FROM outbox WHERE url LIKE '%/500/%'")
+    # The demo crawls: one seed, the rest found through links within depth 2.
+    assert "pages per depth" in out and "off-site and nofollow links followed: 0" in out
+    depths = dict(sqlite_rows(db, "SELECT depth, COUNT(*) FROM outbox GROUP BY depth"))
+    assert depths[0] == 1 and depths[1] >= 1 and sum(depths.values()) == 200 and max(depths) == 2
+    assert not _ids(db, "SELECT url FROM outbox WHERE url LIKE '%localhost%' OR url LIKE '%nofollow%' "
+                        "OR url LIKE '%example.invalid%'")
     assert "Traceback" not in done.stderr
     time.sleep(0.5)
     assert leftover_processes(str(workdir)) == [], "nothing the demo started is left running"

@@ -428,9 +428,11 @@ def test_supervisord_numprocs_scale_and_graceful_stop(tmp_path: Path, rabbit: An
                                                       queue_name: str) -> None:
     t_start = time.monotonic()
     run_dir = tmp_path / "run"
+    # One site shared by every worker: the unpartitioned layout (test_fleet.py scales a
+    # partitioned fleet with supervisorctl).
     config = make_config(
         tmp_path, broker_url=rabbit.url, transport="amqp",
-        queue={"name": queue_name, "prefetch": 4},
+        queue={"name": queue_name, "prefetch": 4, "partition": "none"},
         # prefetch == threads: nothing waits in a worker, so a drain gives nothing back.
         workers={"threads": 4, "drain_timeout_s": 20, "run_dir": str(run_dir)},
         fetch={"per_host_concurrency": 64},

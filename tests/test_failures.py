@@ -66,9 +66,9 @@ def test_die_broker_after_storing_before_confirm_one_duplicate(make_crawld, site
     daemon.store.outbox_add(tasks)                                  # state new: no confirm seen
     raw_publish(rabbit, queue_of(daemon), [t.to_body() for t in tasks], [t.task_id for t in tasks])
     assert daemon.publish([]).returncode == 0                      # resend the unconfirmed
-    assert rabbit.queue_depth(queue_of(daemon)) == 100
+    assert rabbit.work_depth(queue_of(daemon)) == 100   # raw copies on the intake, resent on the shard
     daemon.start()
-    wait_until(lambda: rabbit.queue_depth(queue_of(daemon)) == 0 and daemon.finished() == 50, 60,
+    wait_until(lambda: rabbit.work_depth(queue_of(daemon)) == 0 and daemon.finished() == 50, 60,
                what="both copies consumed")
     time.sleep(1)
     assert daemon.stop() == 0
@@ -140,7 +140,7 @@ AUTO_ACK_CONSUMER = """
 import json, sys, time, pika
 conn = pika.BlockingConnection(pika.URLParameters(sys.argv[1]))
 ch = conn.channel()
-ch.queue_declare(sys.argv[2], durable=True)
+ch.queue_declare(sys.argv[2], passive=True)   # crawld declared it (a shard: SAC arguments)
 def on_message(ch, method, props, body):
     print(json.loads(body)["task_id"], flush=True)
     time.sleep(3600)
@@ -156,7 +156,7 @@ def test_die_worker_right_after_receive_with_auto_ack_loses_tasks(make_crawld, s
     daemon = make_crawld("amqp", workers={"count": 1, "threads": 2}, queue={"prefetch": 2})
     key = _key()
     assert daemon.publish([site.url(f"/fast/{key}-{i}") for i in range(40)]).returncode == 0
-    queue = queue_of(daemon)
+    queue = daemon.work_queue_of(site.url("/"))     # where the tasks wait (the site's shard)
     consumer = subprocess.Popen([sys.executable, "-c", AUTO_ACK_CONSUMER, rabbit.url, queue],
                                 stdout=subprocess.PIPE, text=True)
     try:
@@ -253,7 +253,7 @@ def test_always_500_walks_every_tier_while_main_queue_flows(make_crawld, site, r
     with rabbit.channel() as ch:
         method, props, body = ch.basic_get(f"{queue_of(daemon)}.dead", auto_ack=True)
     assert props.headers["x-crawld-attempt"] == 4
-    assert props.headers["x-crawld-origin"] == queue_of(daemon)
+    assert props.headers["x-crawld-origin"] == daemon.work_queue_of(site.url("/"))
     assert "HTTP 500" in props.headers["x-crawld-error"]
 
 

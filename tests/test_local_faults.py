@@ -99,7 +99,7 @@ def fill(disk: Path, leave_bytes: int) -> Path:
 
 
 @pytest.mark.parametrize("transport", ["amqp", "jetstream"])
-def test_body_disk_full_then_space_back_nothing_dead_every_body_there(make_crawld, site, small_disk,
+def test_body_disk_full_then_space_back_nothing_dead_every_body_there(make_crawld, sites, small_disk,
                                                                       transport):
     port = free_port()
     bodies = small_disk / "bodies"
@@ -108,7 +108,9 @@ def test_body_disk_full_then_space_back_nothing_dead_every_body_there(make_crawl
                          store={"body_dir": str(bodies), "bodies": "files"}, metrics={"port": port})
     filler = fill(small_disk, leave_bytes=5 * PAGE_BYTES)
     key = _key()
-    assert daemon.publish([site.url(f"/unique/{PAGE_BYTES}/{key}-{i}") for i in range(100)]).returncode == 0
+    # Ten sites: partitioned, a site is one worker's, and both workers must have work.
+    urls = [sites[i % len(sites)].url(f"/unique/{PAGE_BYTES}/{key}-{i}") for i in range(100)]
+    assert daemon.publish(urls).returncode == 0
     daemon.start()
     wait_until(lambda: len(paused_workers(daemon)) == 2, 60, what="both workers paused on the disk")
     assert {w["paused_reason"] for w in paused_workers(daemon, via_cli=True)} == {"disk"}
@@ -207,10 +209,11 @@ def test_postgres_wrong_database_is_still_a_boot_error(make_crawld, postgres):
 
 # -- the crawler's own network down ----------------------------------------------------------------
 class Sites:
-    """Six independent sites (six origins) that can all be stopped and restarted in place."""
+    """Independent sites on their own hosts (so their own shards when partitioned) that
+    can all be stopped and restarted in place."""
 
-    def __init__(self, n: int = 6) -> None:
-        self.sites = [TestSite().start() for _ in range(n)]
+    def __init__(self, n: int) -> None:
+        self.sites = [TestSite(host=f"127.0.0.{21 + i}").start() for i in range(n)]
 
     def urls(self, per_site: int, key: str, path: str = "slow/0.05") -> list[str]:
         return [s.url(f"/{path}/{key}-{j}") for j in range(per_site) for s in self.sites]
@@ -229,28 +232,36 @@ class Sites:
 
 @pytest.fixture
 def six_sites() -> Iterator[Sites]:
-    sites = Sites()
+    sites = Sites(6)
+    yield sites
+    sites.close()
+
+
+@pytest.fixture
+def ten_sites() -> Iterator[Sites]:
+    """Enough hosts that, partitioned, each of two workers owns some of them."""
+    sites = Sites(10)
     yield sites
     sites.close()
 
 
 @pytest.mark.parametrize("transport", ["amqp", "jetstream"])
-def test_every_site_unreachable_30s_nothing_dead_all_stored(make_crawld, six_sites, transport):
+def test_every_site_unreachable_30s_nothing_dead_all_stored(make_crawld, ten_sites, transport):
     daemon = make_crawld(transport, workers={"count": 2, "threads": 8, "probe_max_s": 2},
                          queue={"prefetch": 8, "retry_delays_s": [1, 2], "max_deliver": 3},
                          fetch={"connect_timeout_s": 1, "timeout_s": 3})
     key = _key()
-    urls = six_sites.urls(50, key)
+    urls = ten_sites.urls(30, key)
     assert daemon.publish(urls).returncode == 0
     daemon.start()
     wait_until(lambda: daemon.finished() >= 40, 60, what="the run under way")
     down_at = time.time()
-    six_sites.stop()
+    ten_sites.stop()
     wait_until(lambda: len(paused_workers(daemon)) == 2, 30, what="both workers paused on the network")
     assert {w["paused_reason"] for w in paused_workers(daemon, via_cli=True)} == {"network"}
     time.sleep(max(0.0, down_at + 30 - time.time()))
     assert daemon.count("dead") == 0
-    six_sites.start()
+    ten_sites.start()
     up_at = time.time()
     daemon.wait_finished(len(urls), timeout=120)
     assert daemon.stop() == 0

@@ -7,6 +7,9 @@ test is about the guard's own handling of a resolver (its error mapping and its 
 from __future__ import annotations
 
 import ipaddress
+import random
+import re
+import string
 import threading
 import time
 
@@ -17,7 +20,8 @@ from crawld.config import FetchConfig
 from crawld.fetch import Fetcher
 from crawld.fetch.netguard import NetGuard, Refusal, Target, address_problem
 from crawld.fetch.pools import GuardedHTTPConnection
-from crawld.fetch.urls import parse_url
+from crawld.fetch import urls as urls_module
+from crawld.fetch.urls import _ALREADY_SAFE, BadURL, parse_url
 
 from crawld.fetch.resolver import DnsResolver
 
@@ -168,6 +172,33 @@ def test_parse_url_normalises_iri_and_idna() -> None:
     parts = parse_url("HTTP://Bücher.Example:80/ä?q=ü#frag")
     assert parts.url == "http://xn--bcher-kva.example/%C3%A4?q=%C3%BC"
     assert parts.host == "xn--bcher-kva.example" and parts.port == 80
+
+
+def _parsed(url: str) -> object:
+    try:
+        return parse_url.__wrapped__(url)       # uncached: the path taken is the one under test
+    except BadURL:
+        return BadURL
+
+
+def test_the_fast_path_parses_every_url_as_w3lib_would(monkeypatch) -> None:
+    """URLs that skip safe_url_string must come out as they would through it: 20,000
+    generated from the characters around the fast path's edges, parsed both ways."""
+    rng = random.Random(17)
+    alphabet = string.ascii_letters + string.digits + "._~!$&'()*+,;=:@%/-?#[]{}|^`<> \\\"\u00e9"
+    hosts = ["a.com", "A.com", "xn--bcher-kva.example", "127.0.0.1", "[::1]", "b\u00fccher.de", "a_b.test"]
+    urls = []
+    for _ in range(20_000):
+        tail = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        port = rng.choice(["", ":8080", ":99999", ":"])
+        urls.append(f"{rng.choice(['http', 'https', 'HTTP', 'ftp'])}://{rng.choice(hosts)}{port}/{tail}")
+    fast = [url for url in urls if _ALREADY_SAFE.fullmatch(url)]
+    assert len(fast) > 1000, "the generator must exercise the fast path"
+    got = [_parsed(url) for url in fast]
+    monkeypatch.setattr(urls_module, "_ALREADY_SAFE", re.compile(r"(?!)"))   # w3lib for all
+    assert [_parsed(url) for url in fast] == got
+    assert parse_url("http://a.com/x y").url == "http://a.com/x%20y"      # the slow path still quotes
+    assert parse_url("http://a.com/p/1") is parse_url("http://a.com/p/1")   # cached
 
 
 def test_connection_refuses_hostnames_so_no_second_lookup_can_happen(net) -> None:

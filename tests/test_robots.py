@@ -97,6 +97,20 @@ def test_unreachable_robots_is_asked_again_later(make) -> None:
     assert first.reason == "robots_unavailable" and (second.kind, second.http_status) == ("response", 200)
 
 
+def test_network_back_forgets_robots_failures_at_once(make) -> None:
+    """After a pause on this host's network, the robots.txt failures met during the outage
+    were the network's: the next page asks again instead of failing (and spending an
+    attempt) until error_ttl_s runs out. Rules and 4xx answers are kept."""
+    routes = {"/robots.txt": sequence(page(b"", 500), robots(RULES))}
+    with LocalServer(routes) as srv, LocalServer({"/robots.txt": page(b"", 404)}) as other:
+        f = make()
+        assert f.fetch(srv.url("/page")).reason == "robots_unavailable"
+        assert f.fetch(other.url("/page")).kind == "response"
+        assert f.network_back() == 1
+        assert (f.fetch(srv.url("/page")).kind, srv.hits("/robots.txt")) == ("response", 2)
+        assert f.network_back() == 0 and other.hits("/robots.txt") == 1
+
+
 def test_robots_timeout_means_unavailable(make) -> None:
     release = threading.Event()
 

@@ -56,23 +56,48 @@ def stored_by_generation(daemon: Crawld) -> dict[int, int]:
     return out
 
 
-def assert_no_redelivery(daemon: Crawld, tasks: int) -> None:
+def assert_no_redelivery(daemon: Crawld, tasks: int, hits: list[int]) -> None:
+    """Nothing the rolls did made a task run twice: one row, one write and one request
+    (``hits``: the site's count per URL) per task, nothing lost."""
     assert daemon.count("results") == tasks
     assert daemon.count("results", "writes > 1") == 0
     assert daemon.events("duplicate_skipped") == []
+    assert hits == [1] * tasks, "a page was fetched twice"
     drained = daemon.events("worker_drained")
-    assert drained and sum(e["redelivered"] for e in drained) == 0, "redelivered because of the roll"
-    assert all(e["unfinished"] == 0 and e["released"] == 0 for e in drained)
+    assert drained and all(e["unfinished"] == 0 for e in drained)
+    redelivered = sum(e["redelivered"] for e in drained)
+    if partitioned(daemon) and transport_of(daemon) == "amqp":
+        # A window per shard consumer (quorum queues have no channel-wide prefetch), so a
+        # worker may hold more than its threads: a drain passes the unstarted ones on as
+        # fresh copies (released, never flagged redelivered). Only a copy published into a
+        # shard at the very moment its consumer is cancelled comes back flagged (pika
+        # rejects it), never started anywhere: a few at most, and never fetched twice.
+        assert redelivered <= len(drained), "redelivered because of the roll"
+    else:
+        assert redelivered == 0, "redelivered because of the roll"
+        assert all(e["released"] == 0 for e in drained)
     rc, rec = daemon.reconcile()
     assert rc == 0 and rec["lost"] == []
 
 
+def partitioned(daemon: Crawld) -> bool:
+    from crawld.config import load_config
+    return load_config(str(daemon.config_path)).queue.partition != "none"
+
+
+def transport_of(daemon: Crawld) -> str:
+    from crawld.config import load_config
+    return load_config(str(daemon.config_path)).broker.transport
+
+
 @pytest.mark.parametrize("transport", ["amqp", "jetstream"])
-def test_hup_rolls_workers_2_4_1_under_load(make_crawld, site, transport):
+def test_hup_rolls_workers_2_4_1_under_load(make_crawld, sites, transport):
+    """Ten sites: partitioned, every worker of a generation owns some of their shards."""
     daemon = make_crawld(transport, workers={"count": 2})
     key = _key()
     tasks = 600
-    assert daemon.publish([site.url(f"/slow/0.2/{key}-{i}") for i in range(tasks)]).returncode == 0
+    paths = [(sites[i % len(sites)], f"/slow/0.2/{key}-{i}") for i in range(tasks)]
+    assert daemon.publish([site.url(path) for site, path in paths]).returncode == 0
     daemon.start()
     daemon.wait_workers(2)
     wait_until(lambda: daemon.finished() >= 20, 30, what="load running")
@@ -89,14 +114,16 @@ def test_hup_rolls_workers_2_4_1_under_load(make_crawld, site, transport):
     assert sorted(stored_by_generation(daemon)) == [1, 2, 3], stored_by_generation(daemon)
     assert len(daemon.events("worker_retiring")) == 2 + 4
     assert daemon.events("worker_died") == []
-    assert_no_redelivery(daemon, tasks)
+    assert_no_redelivery(daemon, tasks, [site.hits(path) for site, path in paths])
 
 
-def test_ttin_ttou_resize_under_load(make_crawld, site):
+def test_ttin_ttou_resize_under_load(make_crawld, sites):
+    """Ten sites: partitioned, every worker owns some of their shards."""
     daemon = make_crawld("amqp", workers={"count": 1})
     key = _key()
     tasks = 200
-    assert daemon.publish([site.url(f"/slow/0.1/{key}-{i}") for i in range(tasks)]).returncode == 0
+    paths = [(sites[i % len(sites)], f"/slow/0.1/{key}-{i}") for i in range(tasks)]
+    assert daemon.publish([site.url(path) for site, path in paths]).returncode == 0
     daemon.start()
     daemon.wait_workers(1)
     for _ in range(2):
@@ -115,7 +142,7 @@ def test_ttin_ttou_resize_under_load(make_crawld, site):
     stored = stored_by_worker(daemon)
     assert len(spawned) == 3 and len(retired) == 1 and retired[0] in spawned
     assert all(stored.get(pid, 0) > 0 for pid in spawned), (spawned, stored)
-    assert_no_redelivery(daemon, tasks)
+    assert_no_redelivery(daemon, tasks, [site.hits(path) for site, path in paths])
 
 
 def test_crash_at_start_trips_the_crash_loop_limit(make_crawld):

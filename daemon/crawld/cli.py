@@ -1,4 +1,4 @@
-"""Command line: `crawld run | worker | publish | status | reconcile | dlq | show | demo | check-config`.
+"""Command line: `crawld run | worker | publish | crawl | status | reconcile | dlq | show | demo | check-config`.
 
 Exit codes: 0 ok; 1 the check found a problem (lost tasks, unconfirmed publishes);
 2 bad usage or config (one line on stderr, no traceback).
@@ -47,6 +47,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("publish", "Publish URLs (one per line, or JSON lines) through the outbox.")
     p.add_argument("file", help="file of URLs, or - for stdin")
     p.add_argument("--round", default="0", help="crawl round; part of the task id")
+    p.add_argument("--no-declare", action="store_true",
+                   help="do not declare queues/streams (publish fails if they are missing)")
+    p.add_argument("--transport", choices=["amqp", "jetstream"])
+    p.add_argument("--broker", help="broker URL (overrides broker.url)")
+    p = cmd("crawl", "Publish seed URLs (depth 0) through the outbox; the workers' hooks "
+                     "discover the rest within the scope given here (flags override [scope]).")
+    p.add_argument("urls", nargs="+", metavar="URL")
+    p.add_argument("--round", default="0", help="crawl round; part of every task id")
+    p.add_argument("--source", default="crawl", help="source label of the seeds and their links")
+    p.add_argument("--same-site", action=argparse.BooleanOptionalAction, default=None,
+                   help="follow links to the page's own host only (scope.same_site)")
+    p.add_argument("--allowed-domain", dest="allowed_domains", action="append", metavar="DOMAIN",
+                   help="follow links to this domain and its subdomains (repeatable)")
+    p.add_argument("--max-depth", type=int, metavar="N", help="fetch pages at depth <= N (0 = no limit)")
+    p.add_argument("--allow", action="append", metavar="REGEX", help="URLs must match one (repeatable)")
+    p.add_argument("--deny", action="append", metavar="REGEX", help="URLs must match none (repeatable)")
+    p.add_argument("--max-links-per-page", type=int, metavar="N")
     p.add_argument("--no-declare", action="store_true",
                    help="do not declare queues/streams (publish fails if they are missing)")
     p.add_argument("--transport", choices=["amqp", "jetstream"])
@@ -174,6 +191,30 @@ def cmd_publish(args: argparse.Namespace, cfg: Config) -> int:
     return EXIT_OK if summary.ok else EXIT_PROBLEM
 
 
+def cmd_crawl(args: argparse.Namespace, cfg: Config) -> int:
+    from crawld.ops.crawl import publish_seeds
+    from crawld.ops.publish import terminal_progress
+    from crawld.pipeline.scope import overrides_json
+    setup_logging(cfg.log, "crawl")
+    scope_json = overrides_json({"same_site": args.same_site, "allowed_domains": args.allowed_domains,
+                                 "max_depth": args.max_depth, "allow": args.allow, "deny": args.deny,
+                                 "max_links_per_page": args.max_links_per_page})
+    if not cfg.pipeline.hooks:
+        get_logger("crawld.crawl").warning("no_hooks", key="pipeline.hooks",
+                                           note="workers fetch the seeds but discover nothing")
+    store = _open_store(cfg)
+    try:
+        summary = publish_seeds(cfg, store, args.urls, args.round, scope_json, args.source,
+                                terminal_progress(), declare=not args.no_declare)
+    finally:
+        store.close()
+    print(f"seeds {summary.read}  new {summary.new}  invalid {summary.invalid}  "
+          f"published {summary.published}  confirmed {summary.confirmed}  failed {summary.failed}")
+    for task_id, reason in list(summary.failures.items())[:10]:
+        print(f"  unconfirmed {task_id}: {reason}")
+    return EXIT_OK if summary.ok and not summary.invalid else EXIT_PROBLEM
+
+
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
     from crawld.ops.status import collect, format_status
     setup_logging(cfg.log, "status")
@@ -269,6 +310,6 @@ def cmd_demo(args: argparse.Namespace, _cfg: Config | None) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Any], int]] = {
-    "run": cmd_run, "worker": cmd_worker, "publish": cmd_publish, "status": cmd_status,
+    "run": cmd_run, "worker": cmd_worker, "publish": cmd_publish, "crawl": cmd_crawl, "status": cmd_status,
     "reconcile": cmd_reconcile, "dlq": cmd_dlq, "show": cmd_show, "check-config": cmd_check_config, "demo": cmd_demo,
 }

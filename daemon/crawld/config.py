@@ -44,6 +44,8 @@ class QueueConfig:
     duplicate_window_s: float = 86400.0
     max_message_bytes: int = 65536
     max_ack_pending: int = 20000
+    partition: str = "host"
+    shards: int = 64
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,19 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     middleware: tuple[str, ...] = ()
+    hooks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScopeConfig:
+    """Which discovered URLs become tasks (pipeline/scope.py). ``crawld crawl`` flags
+    override these per crawl: the seeds carry the overrides to every worker."""
+    same_site: bool = True
+    allowed_domains: tuple[str, ...] = ()
+    max_depth: int = 0                 # 0 = no limit (Scrapy's DEPTH_LIMIT convention)
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    max_links_per_page: int = 1000
 
 
 @dataclass(frozen=True)
@@ -120,6 +135,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    scope: ScopeConfig = field(default_factory=ScopeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     source_path: str = ""
 
@@ -255,6 +271,8 @@ def validate(cfg: Config) -> None:
         (cfg.queue.replicas in (1, 3, 5), "queue.replicas: must be 1, 3 or 5"),
         (cfg.queue.max_message_bytes >= 256, "queue.max_message_bytes: must be >= 256"),
         (cfg.queue.max_ack_pending >= 1, "queue.max_ack_pending: must be >= 1"),
+        (cfg.queue.partition in ("host", "domain", "none"), "queue.partition: must be 'host', 'domain' or 'none'"),
+        (1 <= cfg.queue.shards <= 4096, "queue.shards: must be 1..4096"),
         (cfg.workers.count >= 0, "workers.count: must be >= 0"),
         (cfg.workers.threads >= 1, "workers.threads: must be >= 1"),
         (cfg.workers.drain_timeout_s >= 0, "workers.drain_timeout_s: must be >= 0"),
@@ -279,6 +297,8 @@ def validate(cfg: Config) -> None:
         (cfg.log.level.lower() in ("debug", "info", "warning", "error"), "log.level: must be debug, info, warning or error"),
         (cfg.log.format in ("json", "console", "auto"), "log.format: must be json, console or auto"),
         (0 <= cfg.metrics.port <= 65535, "metrics.port: must be 0..65535"),
+        (cfg.scope.max_depth >= 0, "scope.max_depth: must be >= 0 (0 = no limit)"),
+        (cfg.scope.max_links_per_page >= 1, "scope.max_links_per_page: must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:
@@ -290,6 +310,26 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"fetch.allow_networks: {cidr!r} is not a CIDR network") from None
     _check_dns_servers(cfg.fetch.dns_servers)
     _check_importable(cfg.pipeline.middleware, "pipeline.middleware")
+    _check_hooks(cfg.pipeline.hooks)
+    _check_patterns(cfg.scope.allow, "scope.allow")
+    _check_patterns(cfg.scope.deny, "scope.deny")
+
+
+def _check_hooks(specs: tuple[str, ...]) -> None:
+    """Hooks are imported at config load too: `check-config` and `run` exit 2 on a bad one."""
+    if not specs:
+        return
+    from crawld.pipeline.hooks import load_hooks   # lazy: it imports this module
+    load_hooks(specs)
+
+
+def _check_patterns(patterns: tuple[str, ...], key: str) -> None:
+    import re
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"{key}: {pattern!r} is not a valid regex ({exc})") from None
 
 
 def _check_importable(specs: tuple[str, ...], key: str) -> None:

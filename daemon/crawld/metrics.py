@@ -35,6 +35,12 @@ class Metrics:
         self.http_status = Counter("crawld_http_responses", "HTTP responses by status", ["status"])
         self.paused = Gauge("crawld_paused", "Workers paused by a fault of their own, by reason",
                             ["reason"], multiprocess_mode="livesum")
+        self.shards_owned = Gauge("crawld_shards_owned", "Shards served by this worker",
+                                  multiprocess_mode="livesum")
+        self.sites_paused = Gauge("crawld_sites_paused", "Sites paused after a 429/503 or failures",
+                                  multiprocess_mode="livesum")
+        self.handovers = Gauge("crawld_shard_handovers", "Shards handed to another worker",
+                               multiprocess_mode="livesum")
 
     def on_received(self, redelivered: bool) -> None:
         if self.enabled:
@@ -70,6 +76,12 @@ class Metrics:
     def set_inflight(self, value: int) -> None:
         if self.enabled:
             self.inflight.set(value)
+
+    def set_fleet(self, shards_owned: int, sites_paused: int, handovers: int) -> None:
+        if self.enabled:
+            self.shards_owned.set(shards_owned)
+            self.sites_paused.set(sites_paused)
+            self.handovers.set(handovers)
 
 
 def mark_worker_dead(pid: int) -> None:

@@ -36,9 +36,39 @@ class Task:
     round: str = DEFAULT_ROUND
     source: str = DEFAULT_SOURCE
     enqueued_at: float = 0.0
+    depth: int = 0           # links followed from a seed (seeds are 0)
+    parent: str = ""         # task id of the page this URL was found on
+    meta: str = ""           # JSON object from a hook (priority, user metadata), or ""
+    scope: str = ""          # JSON object: per-crawl [scope] overrides from `crawld crawl`
 
     def to_body(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        body = asdict(self)
+        # Optional fields only when set: a seed's message stays what older crawlds sent.
+        for name in OPTIONAL_FIELDS:
+            if not body[name]:
+                del body[name]
+        for name in JSON_FIELDS:
+            if name in body:
+                body[name] = json.loads(body[name])
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    def extra(self) -> str:
+        """The JSON fields as one outbox column (``""`` when neither is set)."""
+        extra = {name: json.loads(getattr(self, name)) for name in JSON_FIELDS if getattr(self, name)}
+        return json.dumps(extra, separators=(",", ":"), sort_keys=True) if extra else ""
+
+
+OPTIONAL_FIELDS = ("depth", "parent", "meta", "scope")
+JSON_FIELDS = ("meta", "scope")
+
+
+def from_extra(extra: str) -> dict[str, str]:
+    """Task keyword arguments for the JSON fields kept in an outbox ``extra`` column."""
+    if not extra:
+        return {}
+    obj = json.loads(extra)
+    return {name: json.dumps(obj[name], separators=(",", ":"), sort_keys=True)
+            for name in JSON_FIELDS if name in obj}
 
 
 def canonical_url(url: str) -> str:
@@ -47,8 +77,12 @@ def canonical_url(url: str) -> str:
 
 def task_id_for(url: str, round_: str = DEFAULT_ROUND) -> str:
     """sha256 of canonical URL and round, truncated to 32 hex chars (128 bits)."""
-    digest = hashlib.sha256(f"{round_}\n{canonical_url(url)}".encode()).hexdigest()
-    return digest[:32]
+    return task_id_for_canonical(canonical_url(url), round_)
+
+
+def task_id_for_canonical(canonical: str, round_: str = DEFAULT_ROUND) -> str:
+    """``task_id_for`` of a URL already canonical (canonicalisation is idempotent)."""
+    return hashlib.sha256(f"{round_}\n{canonical}".encode()).hexdigest()[:32]
 
 
 def safe_source(source: str) -> str:
@@ -121,7 +155,27 @@ def parse_message(body: bytes, message_id: str | None = None,
         raise MalformedMessage("bad_types", "enqueued_at must be a number")
     round_ = str(round_)
     return Task(task_id=task_id or task_id_for(url, round_), url=url.strip(), round=round_,
-                source=safe_source(source), enqueued_at=float(enqueued_at))
+                source=safe_source(source), enqueued_at=float(enqueued_at), **_crawl_fields(obj))
+
+
+def _crawl_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``depth``, ``parent``, ``meta``, ``scope``: optional; messages without them are seeds."""
+    out: dict[str, Any] = {}
+    depth = obj.get("depth", 0)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+        raise MalformedMessage("bad_types", "depth must be a non-negative integer")
+    parent = obj.get("parent", "")
+    if not isinstance(parent, str):
+        raise MalformedMessage("bad_types", "parent must be a string")
+    out["depth"], out["parent"] = depth, parent
+    for name in JSON_FIELDS:
+        value = obj.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise MalformedMessage("bad_types", f"{name} must be a JSON object")
+        out[name] = json.dumps(value, separators=(",", ":"), sort_keys=True) if value else ""
+    return out
 
 
 def _require_url(obj: Mapping[str, Any]) -> str:

@@ -1,12 +1,14 @@
 """Fetch throughput per worker process: urllib3 (our Fetcher and raw PoolManager) vs httpx.Client.
 
-    python tests/bench/bench_fetch_client.py [--requests 3000] [--threads 8]
+    python tests/bench/bench_fetch_client.py [--requests 3000] [--threads 8] [--server nginx|asyncio]
 
-A zero-latency keep-alive HTTP server (asyncio, in a child process so it does not share
-our GIL) answers every request with the same small 200. Each client uses one shared
-client object and the same number of threads, as a crawld worker does, and gets the
-same number of requests after a warm-up, in interleaved rounds (machine noise and
-drift then hit every client alike). The numbers are requests per second of one
+The server is a private Debian nginx (nginx_site.py, a ~2 KB static page; the default when
+nginx is installed) or a zero-latency keep-alive asyncio server in a child process that
+answers every request with the same small 200 (``--server asyncio``). Either runs in
+its own process, so it never shares our GIL. Each client uses one shared client object
+and the same number of threads, as a crawld worker does, and gets the same number of
+requests (each to a URL of its own, ``?n=<i>``, as a crawl's are) after a warm-up, in
+interleaved rounds (machine noise and drift then hit every client alike). The numbers are requests per second of one
 worker process, so they measure client overhead (parsing, pooling, locking, and for the
 Fetcher: SSRF guard, robots.txt cache, host-wide flock politeness, deadline watchdog).
 Bounded: each client stops after --requests or --max-seconds, whichever comes first.
@@ -14,6 +16,7 @@ Bounded: each client stops after --requests or --max-seconds, whichever comes fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -21,7 +24,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 SERVER = textwrap.dedent(r"""
     import asyncio, sys
@@ -63,7 +66,8 @@ def run_load(get: Callable[[str], int], url: str, requests: int, threads: int,
                 if issued[0] >= requests or time.monotonic() > deadline:
                     return
                 issued[0] += 1
-            if get(url) != 200:
+                n = issued[0]
+            if get(f"{url}?n={n}") != 200:     # a new URL each time, as in a crawl
                 with lock:
                     failures[0] += 1
     pool = [threading.Thread(target=worker) for _ in range(threads)]
@@ -75,11 +79,16 @@ def run_load(get: Callable[[str], int], url: str, requests: int, threads: int,
     return issued[0], time.perf_counter() - started, failures[0]
 
 
-def crawld_fetcher(threads: int, run_dir: str) -> tuple[Callable[[str], int], Callable[[], None]]:
-    from crawld.config import FetchConfig
+def crawld_fetcher(threads: int, run_dir: str, partition: str) -> tuple[Callable[[str], int], Callable[[], None]]:
+    """The Fetcher as a worker builds it: a shard owner's in-memory SiteLimiter for
+    ``partition = "host"`` (the default), the machine-wide flock HostLimiter for "none"."""
+    from crawld.config import Config, FetchConfig, QueueConfig, WorkersConfig
     from crawld.fetch import Fetcher
-    cfg = FetchConfig(allow_networks=("127.0.0.0/8",), obey_robots=True, per_host_concurrency=threads)
-    fetcher = Fetcher(cfg, pool_size=threads, run_dir=run_dir)
+    from crawld.process.worker import site_limiter
+    cfg = Config(fetch=FetchConfig(allow_networks=("127.0.0.0/8",), obey_robots=True,
+                                   per_host_concurrency=threads),
+                 queue=QueueConfig(partition=partition), workers=WorkersConfig(threads=threads))
+    fetcher = Fetcher(cfg.fetch, pool_size=threads, run_dir=run_dir, limiter=site_limiter(cfg))
     return (lambda url: fetcher.fetch(url).http_status or 0), fetcher.close
 
 
@@ -101,25 +110,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per client")
     parser.add_argument("--max-seconds", type=float, default=15.0, help="per client, all rounds")
+    parser.add_argument("--server", choices=["nginx", "asyncio"], default=default_server())
+    parser.add_argument("--no-httpx", action="store_true", help="only the crawld Fetcher and raw urllib3")
     args = parser.parse_args(argv)
 
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(server.stdout.readline())
-        url = f"http://127.0.0.1:{port}/page"
+    with serve(args.server) as url:
         with tempfile.TemporaryDirectory(prefix="crawld-bench-") as run_dir:
-            clients = {"crawld Fetcher (urllib3)": crawld_fetcher(args.threads, run_dir),
-                       "urllib3 PoolManager (raw)": raw_urllib3(args.threads),
-                       "httpx.Client": httpx_client(args.threads)}
+            clients = {"crawld Fetcher, shard owner": crawld_fetcher(args.threads, run_dir, "host"),
+                       "crawld Fetcher, flock (none)": crawld_fetcher(args.threads, run_dir, "none"),
+                       "urllib3 PoolManager (raw)": raw_urllib3(args.threads)}
+            if not args.no_httpx:
+                clients["httpx.Client"] = httpx_client(args.threads)
             try:
                 rows = measure(clients, url, args)
             finally:
                 for _, close in clients.values():
                     close()
-    finally:
-        server.kill()
-        server.wait()
-    report(rows, args.threads)
+    report(rows, args.threads, args.server)
     return 0 if all(row["failures"] == 0 for row in rows) else 1
 
 
@@ -142,20 +149,47 @@ def measure(clients: dict[str, tuple[Callable[[str], int], Callable[[], None]]],
             for name, (n, sec, fail) in totals.items()]
 
 
-def report(rows: list[dict], threads: int) -> None:
+def default_server() -> str:
+    from nginx_site import NGINX
+    return "nginx" if os.path.exists(NGINX) else "asyncio"
+
+
+@contextlib.contextmanager
+def serve(kind: str) -> Iterator[str]:
+    """The URL every client GETs, served by nginx (a ~2 KB page) or the asyncio server."""
+    if kind == "nginx":
+        from nginx_site import NginxSite
+        with tempfile.TemporaryDirectory(prefix="crawld-bench-nginx-") as tmp:
+            with NginxSite(tmp, pages=10) as site:
+                yield site.page_url(1)
+        return
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        yield f"http://127.0.0.1:{int(server.stdout.readline())}/page"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def report(rows: list[dict], threads: int, server: str = "asyncio") -> None:
     raw = next(r for r in rows if r["client"].startswith("urllib3"))
-    httpx_row = next(r for r in rows if r["client"] == "httpx.Client")
-    fetcher = rows[0]
-    print(f"\nfetch throughput, one process, {threads} threads, local zero-latency keep-alive server "
+    httpx_row = next((r for r in rows if r["client"] == "httpx.Client"), None)
+    owner, flock = rows[0], rows[1]
+    what = ("private nginx, ~2 KB static page" if server == "nginx"
+            else "local zero-latency keep-alive server")
+    print(f"\nfetch throughput, one process, {threads} threads, {what} "
           f"(python {sys.version.split()[0]}, {os.cpu_count()} CPUs)\n")
     print(f"{'client':<28}{'requests':>9}{'seconds':>9}{'req/s':>9}{'vs raw urllib3':>16}{'failures':>10}")
     for r in rows:
         print(f"{r['client']:<28}{r['requests']:>9}{r['seconds']:>9.2f}{r['rps']:>9.0f}"
               f"{r['rps'] / raw['rps']:>15.2f}x{r['failures']:>10}")
-    print(f"\nratio urllib3 raw / httpx.Client      = {raw['rps'] / httpx_row['rps']:.2f}")
-    print(f"ratio crawld Fetcher / httpx.Client   = {fetcher['rps'] / httpx_row['rps']:.2f}")
-    print(f"ratio crawld Fetcher / urllib3 raw    = {fetcher['rps'] / raw['rps']:.2f} "
-          f"(cost of guard + robots + host-wide politeness + deadlines)")
+    if httpx_row is not None:
+        print(f"\nratio urllib3 raw / httpx.Client      = {raw['rps'] / httpx_row['rps']:.2f}")
+        print(f"ratio crawld Fetcher / httpx.Client   = {owner['rps'] / httpx_row['rps']:.2f}")
+    print(f"ratio crawld Fetcher / urllib3 raw    = {owner['rps'] / raw['rps']:.2f} "
+          f"(shard owner, partition = \"host\": guard + robots + in-memory politeness + deadlines)")
+    print(f"ratio flock Fetcher / urllib3 raw     = {flock['rps'] / raw['rps']:.2f} "
+          f"(partition = \"none\": politeness in flock files shared by the machine's workers)")
 
 
 if __name__ == "__main__":

@@ -203,6 +203,7 @@ class Env:
         self._site: subprocess.Popen | None = None
         self.site_url = ""
         self.procs: list[subprocess.Popen] = []
+        self._nginx: dict[tuple[int, int], Any] = {}
         self._counter = 0
         self.timings: dict[str, float] = {}
         for need in needs:
@@ -264,6 +265,17 @@ class Env:
             self.site_url = f"http://127.0.0.1:{int(line)}"
         return self.site_url
 
+    def nginx(self, pages: int, sites: int = 1) -> Any:
+        """A private Debian nginx (nginx_site.NginxSite) serving ``/p/N`` for N < pages on
+        127.0.0.1..127.0.0.<sites>, one port; shared by callers asking for the same shape."""
+        key = (pages, sites)
+        if key not in self._nginx:
+            from nginx_site import NginxSite
+            site = NginxSite(self.workdir / f"nginx-{pages}x{sites}", pages, sites)
+            self.timings[f"nginx {sites} site(s) start s"] = site.start()
+            self._nginx[key] = site
+        return self._nginx[key]
+
     def spawn(self, cmd: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None,
               cwd: str | Path | None = None, **kw: Any) -> subprocess.Popen:
         """A child process we own (killed at close if still running)."""
@@ -288,6 +300,9 @@ class Env:
             for pid in descendants(proc.pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
+        for site in self._nginx.values():
+            with contextlib.suppress(Exception):
+                site.stop()
         if self._site is not None:
             self._site.kill()
             self._site.wait(10)
@@ -297,6 +312,9 @@ class Env:
         if self._rabbit is not None:
             with contextlib.suppress(Exception):
                 self._rabbit.stop()
+        if os.environ.get("CRAWLD_BENCH_KEEP"):      # logs and stores, for a post-mortem
+            print(f"[bench] kept {self.workdir}", file=sys.stderr)
+            return
         import shutil
         shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -378,7 +396,8 @@ class CrawldSetup:
 def crawld_setup(env: Env, prefix: str, *, transport: str = "amqp", broker_url: str | None = None,
                  threads: int = THREADS, prefetch: int = PREFETCH, workers: int = 1,
                  queue: dict[str, Any] | None = None, fetch: dict[str, Any] | None = None,
-                 workers_extra: dict[str, Any] | None = None, log_level: str = "info") -> CrawldSetup:
+                 workers_extra: dict[str, Any] | None = None, log_level: str = "info",
+                 sections: dict[str, dict[str, Any]] | None = None) -> CrawldSetup:
     """A crawld installation for one scenario: fresh SQLite store, own queue and run_dir."""
     directory = env.scenario_dir(prefix)
     name = directory.name
@@ -393,7 +412,7 @@ def crawld_setup(env: Env, prefix: str, *, transport: str = "amqp", broker_url: 
         fetch={"allow_networks": ["127.0.0.0/8"], "per_host_concurrency": 256, "obey_robots": True,
                **(fetch or {})},
         store={"url": f"sqlite:///{db}", "body_dir": str(directory / "bodies")},
-        log={"level": log_level, "format": "json"})
+        log={"level": log_level, "format": "json"}, **(sections or {}))
     return CrawldSetup(directory, config, db, name)
 
 

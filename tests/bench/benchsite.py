@@ -14,6 +14,8 @@ faster than any client it is compared against:
 ``/hang-once/<seconds>/<key>``     first hit of that path waits ``seconds``, later hits at once
 ``/flaky/<n>/<key>``               500 for the first n hits of that exact path, then 200
 ``/500/<any>``                     always 500
+``/tree/<key>/<n>/<fanout>/<i>``   page i of an n-page site to crawl: links to its children
+                                   fanout*i+1.., home, parent, a 40-link menu, off-site links
 ``/stats``                         JSON: total requests, requests in flight, peak in flight
 =================================  ===============================================
 """
@@ -33,6 +35,26 @@ def page(status: int, path: str) -> tuple[int, bytes, str]:
     body = (f"<!doctype html><html><head><title>{status} {path}</title></head>"
             f"<body><h1>{status}</h1><p>path: {path}</p></body></html>").encode()
     return status, body, "text/html; charset=utf-8"
+
+
+def tree_page(key: str, n: int, fanout: int, i: int) -> tuple[int, bytes, str]:
+    """A page shaped like a real one: ~100 links (children, menu, footer, off-site), ~12 KB."""
+    if not 0 <= i < n:
+        return page(404, f"/tree/{key}/{n}/{fanout}/{i}")
+    root = f"/tree/{key}/{n}/{fanout}"
+    children = [c for c in range(fanout * i + 1, fanout * i + fanout + 1) if c < n]
+    menu = [m for m in range(1, 41) if m < n]
+    links = [f'<li><a href="{root}/{c}">item {c}</a> <p>{"Lorem ipsum dolor sit amet. " * 3}</p></li>'
+             for c in children]
+    links += [f'<a href="{root}/{m}" class="nav">section {m}</a>' for m in menu]
+    links += [f'<a href="{root}/0">home</a>', f'<a href="{root}/{max(0, (i - 1) // fanout)}">up</a>']
+    links += [f'<a href="https://example{k}.invalid/page/{i}" rel="nofollow">ad {k}</a>' for k in range(10)]
+    links += [f'<a href="https://social{k}.invalid/share?u={i}">share</a>' for k in range(30)]
+    body = (f"<!doctype html><html><head><title>page {i}</title><link rel=canonical href=\"{root}/{i}\">"
+            f"<meta name=viewport content=\"width=device-width\"></head><body><nav>{''.join(links[len(children):])}"
+            f"</nav><main><h1>page {i}</h1><ul>{''.join(links[:len(children)])}</ul>"
+            f"<p>{'Some text of the article. ' * 100}</p></main></body></html>").encode()
+    return 200, body, "text/html; charset=utf-8"
 
 
 def route(path: str) -> tuple[float, tuple[int, bytes, str]]:
@@ -55,6 +77,8 @@ def route(path: str) -> tuple[float, tuple[int, bytes, str]]:
             return 0.0, page(500 if hit <= int(parts[1]) else 200, path)
         if kind == "500":
             return 0.0, page(500, path)
+        if kind == "tree":
+            return 0.0, tree_page(parts[1], int(parts[2]), int(parts[3]), int(parts[4]))
     except (IndexError, ValueError):
         return 0.0, page(400, path)
     return 0.0, page(404, path)

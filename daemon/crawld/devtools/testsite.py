@@ -16,6 +16,8 @@ and keep themselves isolated with a unique ``<key>`` segment:
 ``/big/<bytes>/<key>``             200 with a body of that many bytes
 ``/chunked/<bytes>/<key>``         random bytes (seeded by the path), chunked, no Content-Length
 ``/unique/<bytes>/<key>``          200, that many bytes unique to the path (one body file each)
+``/site/<key>/<n>/p/<i>``          page i of a generated n-page site to crawl (see ``site_page``)
+``/demo/<n>/home``, ``/hub/<j>``   the demo's crawl: home -> hubs -> ``demo_paths(n)``
 =================================  ===============================================
 
 The server counts hits per path and records how many requests were in flight at once,
@@ -50,6 +52,7 @@ class _Stats:
         self.lock = threading.Lock()
         self.hits: dict[str, int] = {}
         self.events: list[tuple[int, str]] = []
+        self.starts: list[tuple[float, str]] = []   # (monotonic time, path) of every request
         self.active: Counter[str] = Counter()  # paths in flight right now
         self.peak = 0
 
@@ -58,6 +61,7 @@ class _Stats:
             count = self.hits.get(path, 0) + 1
             self.hits[path] = count
             self.events.append((1, path))
+            self.starts.append((time.monotonic(), path))
             self.active[path] += 1
             self.peak = max(self.peak, self.active.total())
             return count
@@ -86,6 +90,7 @@ class _Stats:
             self.hits.clear()
             # Requests still in flight keep counting: seed the log with their starts.
             self.events = [(1, path) for path in self.active.elements()]
+            self.starts.clear()
             self.peak = self.active.total()
 
 
@@ -183,6 +188,8 @@ class TestSite:
             "big": self._big,
             "chunked": self._chunked,
             "unique": self._unique,
+            "site": self._site,
+            "demo": self._demo,
         }
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -242,6 +249,11 @@ class TestSite:
     def max_concurrent(self, prefix: str | None = None) -> int:
         """Most requests in flight at once, overall or for paths starting with ``prefix``."""
         return self._stats.max_concurrent(prefix)
+
+    def start_times(self, prefix: str = "/") -> list[float]:
+        """``time.monotonic()`` of each request for paths starting with ``prefix``, in order."""
+        with self._stats.lock:
+            return [t for t, path in self._stats.starts if path.startswith(prefix)]
 
     def in_flight(self) -> int:
         """Requests being handled right now."""
@@ -334,3 +346,107 @@ class TestSite:
         size = min(int(parts[0]), MAX_BIG_BYTES)
         line = (path + "\n").encode()
         return 200, {"Content-Type": "application/octet-stream"}, (line * (size // len(line) + 1))[:size]
+
+    def _site(self, parts: list[str], path: str, hit: int) -> Response:
+        key, n, kind, i = parts[0], int(parts[1]), parts[2], int(parts[3])
+        if kind != "p" or not 0 <= i < n:
+            return self._page(404, path)
+        return site_page(self.base_url, key, n, i)
+
+    def _demo(self, parts: list[str], path: str, hit: int) -> Response:
+        n, kind = int(parts[0]), parts[1]
+        if kind == "home":
+            return demo_home(self.base_url, n)
+        return demo_hub(self.base_url, n, int(parts[2]))
+
+
+# -- crawlable sites ----------------------------------------------------------------------
+SITE_FANOUT = 5     # page i links to pages 5i+1 .. 5i+5: 500 pages lie within depth 4
+
+
+def site_depth(i: int) -> int:
+    depth = 0
+    while i > 0:
+        i = (i - 1) // SITE_FANOUT
+        depth += 1
+    return depth
+
+
+def site_children(n: int, i: int) -> list[int]:
+    return [c for c in range(SITE_FANOUT * i + 1, SITE_FANOUT * i + SITE_FANOUT + 1) if c < n]
+
+
+def site_page(base_url: str, key: str, n: int, i: int) -> Response:
+    """Page i of the generated site ``/site/<key>/<n>/p/<i>`` (home is i = 0).
+
+    Every child is linked under several spellings of one URL (relative through
+    ``<base href>``, absolute with an upper-case scheme, a ``#fragment``, a ``./``
+    segment, an ``<area>``), next to links a crawler must never follow: another host
+    name (``localhost``, fetchable, so a wrong follow shows up as a hit on
+    ``/site/<key>/offsite/``), ``rel=nofollow`` (``/site/<key>/nofollow/``), and from
+    the leaves at depth 4 one level deeper (``/site/<key>/deep/``). The last page says
+    ``<meta name=robots content=nofollow>``, the one before it ``X-Robots-Tag: nofollow``;
+    both link to ``/site/<key>/blocked/``.
+    """
+    root, port = f"/site/{key}/{n}", base_url.rsplit(":", 1)[1]
+    links = []
+    for c in site_children(n, i):
+        links += [f'<a href="p/{c}">child {c}</a>',                       # via <base href>
+                  f'<a href="HTTP://127.0.0.1:{port}{root}/p/{c}#top">again</a>',
+                  f'<a href="{root}/./p/{c}?#">and again</a>',
+                  f'<map><area href="{root}/p/{c}#map" alt="map"></map>']
+    links += [f'<a href="{root}/p/0">home</a>', f'<a href="#content">skip</a>',
+              f'<a href="http://localhost:{port}/site/{key}/offsite/{i}">elsewhere</a>',
+              f'<a rel="external nofollow" href="/site/{key}/nofollow/{i}">sponsored</a>',
+              '<a href="mailto:webmaster@example.invalid">mail</a>']
+    if site_depth(i) >= 4:
+        links.append(f'<a href="/site/{key}/deep/{i}">deeper</a>')
+    head = f'<base href="{root}/"><link rel="canonical" href="{root}/p/{i}">'
+    headers: dict[str, str] = {}
+    if i == n - 1:
+        head += '<meta name="robots" content="noindex, nofollow">'
+    if i in (n - 1, n - 2):
+        links.append(f'<a href="/site/{key}/blocked/{i}">blocked</a>')
+    if i == n - 2:
+        headers["X-Robots-Tag"] = "noarchive, nofollow"
+    body = (f"<!doctype html><html><head><title>page {i}</title>{head}</head>"
+            f"<body><h1 id=content>page {i} of {n}</h1>{''.join(links)}</body></html>")
+    return 200, headers, body.encode()
+
+
+def demo_paths(n: int) -> list[tuple[str, str]]:
+    """(kind, path) of the demo's n pages: its home, hubs, and some of every kind of page."""
+    hubs = demo_hubs(n)
+    kinds = [("always-500", "/500/p{i}", max(1, n // 25)),
+             ("slow", "/slow/3/p{i}", max(1, n // 25)),
+             ("404", "/404/p{i}", max(1, n // 20)),
+             ("500-then-ok", "/flaky/1/p{i}", max(1, n // 10)),
+             ("redirect", "/redirect/2/p{i}", max(1, n // 10)),
+             ("robots-disallowed", "/private/p{i}", max(1, n // 20))]
+    out = [("home", f"/demo/{n}/home")] + [("hub", f"/demo/{n}/hub/{j}") for j in range(hubs)]
+    for kind, pattern, count in kinds:
+        out += [(kind, pattern.format(i=i)) for i in range(count)]
+    out += [("fast", f"/fast/p{i}") for i in range(max(0, n - len(out)))]
+    return out[:n]
+
+
+def demo_hubs(n: int) -> int:
+    return max(1, min(8, n // 40))
+
+
+def demo_home(base_url: str, n: int) -> Response:
+    port = base_url.rsplit(":", 1)[1]
+    links = [f'<a href="/demo/{n}/hub/{j}">section {j}</a>' for j in range(demo_hubs(n))]
+    links += [f'<a href="http://localhost:{port}/offsite/home">a friend</a>',
+              '<a href="https://example.invalid/">elsewhere</a>',
+              '<a rel="nofollow" href="/fast/nofollow-home">ads</a>']
+    return 200, {}, f"<!doctype html><title>demo</title><h1>demo site</h1>{''.join(links)}".encode()
+
+
+def demo_hub(base_url: str, n: int, j: int) -> Response:
+    hubs = demo_hubs(n)
+    paths = [p for k, p in demo_paths(n) if k not in ("home", "hub")][j::hubs]
+    links = [f'<a href="{p}#from-hub-{j}">{p}</a>' for p in paths]
+    links += [f'<a rel="nofollow" href="/fast/nofollow-{j}">sponsored</a>',
+              f'<a href="http://localhost:{base_url.rsplit(":", 1)[1]}/offsite/{j}">partner</a>']
+    return 200, {}, f"<!doctype html><title>hub {j}</title>{''.join(links)}".encode()

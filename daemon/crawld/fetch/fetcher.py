@@ -37,12 +37,13 @@ from typing import Any
 from urllib.parse import unquote, urljoin
 
 import urllib3
-from urllib3.exceptions import HTTPError
+from urllib3.exceptions import HTTPError, IncompleteRead
 
 from crawld.config import FetchConfig
 from crawld.fetch.deadline import DeadlineScope, deadline_scope
 from crawld.fetch.netguard import NetGuard, Refusal, Target
 from crawld.fetch.politeness import HostLimiter, PolitenessTimeout
+from crawld.fetch.sites import SiteLimiter
 from crawld.fetch.pools import connection_pool, make_pool_manager
 from crawld.fetch.reasons import Kind, Reason
 from crawld.fetch.resolver import DnsResolver, Resolver
@@ -53,6 +54,8 @@ from crawld.fetch.urls import BadURL, parse_url
 from crawld.stats import Stats
 
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+# Answers that say the site could not be reached at all (a run of them pauses the site).
+UNREACHABLE = frozenset({Reason.CONNECTION, Reason.TIMEOUT, Reason.DNS})
 ROBOTS_MAX_REDIRECTS = 5            # RFC 9309: follow at least five
 CHUNK = 64 * 1024
 ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"   # Scrapy's default
@@ -96,15 +99,17 @@ class Fetcher:
     def __init__(self, cfg: FetchConfig, pool_size: int = 16, run_dir: str = "", *,
                  stats: Stats | None = None, politeness_wait_s: float | None = None,
                  robots_error_ttl_s: float = 30.0, resolver: Resolver | None = None,
-                 ca_certs: str | None = None) -> None:
+                 ca_certs: str | None = None, limiter: SiteLimiter | None = None) -> None:
         self.cfg = cfg
         self.stats = stats if stats is not None else Stats()
         resolver = resolver or DnsResolver(cfg.dns_servers, timeout_s=cfg.connect_timeout_s)
         self.guard = NetGuard(cfg.allow_networks, resolver=resolver,
                               dns_timeout_s=cfg.connect_timeout_s)
         self.pool = make_pool_manager(pool_size, **({"ca_certs": ca_certs} if ca_certs else {}))
-        self.limiter = HostLimiter(run_dir, cfg.per_host_concurrency, cfg.per_host_delay_s,
-                                   max_not_before_s=cfg.retry_after_max_s)
+        # A shard owner keeps its sites' politeness in memory (sites.py); without partitioning,
+        # the workers of one machine share flock files (politeness.py).
+        self.limiter: SiteLimiter | HostLimiter = limiter or HostLimiter(
+            run_dir, cfg.per_host_concurrency, cfg.per_host_delay_s, max_not_before_s=cfg.retry_after_max_s)
         self.politeness_wait_s = (min(cfg.timeout_s, 30.0) if politeness_wait_s is None
                                   else politeness_wait_s)
         self.robots: RobotsCache | None = None
@@ -127,6 +132,11 @@ class Fetcher:
         if result.reason:
             self.stats.inc(f"fetch/reason_count/{result.reason}")
         return result
+
+    def network_back(self) -> int:
+        """This host's network works again: forget robots.txt failures met while it was
+        down (how many)."""
+        return self.robots.forget_unreachable() if self.robots is not None else 0
 
     def close(self) -> None:
         self.pool.clear()
@@ -210,9 +220,14 @@ class Fetcher:
                                retry_after_s=exc.retry_in_s)
         task.deadline += slot.waited_s  # waiting for our turn is not network time
         try:
-            return self._exchange(target, task, auth, max_bytes, truncate)
+            outcome = self._exchange(target, task, auth, max_bytes, truncate)
+            # Judged before the slot goes: a half-open site's next request waits for it.
+            if self.limiter.record(target.host, unreachable=isinstance(outcome, FetchResult)
+                                   and outcome.kind == Kind.ERROR and outcome.reason in UNREACHABLE):
+                self.stats.inc("politeness/site_paused")
         finally:
             slot.release()
+        return outcome
 
     def _exchange(self, target: Target, task: _Task, auth: str | None, max_bytes: int,
                   truncate: bool) -> FetchResult | _Redirect:
@@ -271,8 +286,16 @@ class Fetcher:
         When too large, ``body`` is the first ``max_bytes`` read (empty if rejected early)."""
         encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
         declared = content_length(resp)
-        if not truncate and encoding in ("", "identity") and declared is not None and declared > max_bytes:
+        identity = encoding in ("", "identity")
+        if not truncate and identity and declared is not None and declared > max_bytes:
             return b"", True        # early reject: do not download what we would throw away
+        if identity and declared is not None and declared <= max_bytes:
+            # The common page: one read of what it declared.
+            body = resp.read(declared) if declared else b""
+            if len(body) < declared:        # the connection ended early: what the loop's
+                raise IncompleteRead(len(body), declared - len(body))   # next read raises
+            self.stats.inc("downloader/response_bytes", len(body))
+            return body, False
         buf = bytearray()
         while True:
             # read(amt, decode_content=True) returns at most amt *decoded* bytes and

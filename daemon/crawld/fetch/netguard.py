@@ -34,6 +34,7 @@ from crawld.fetch.urls import DEFAULT_PORTS, BadURL, IPAddress, literal_ip, netl
 
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+VERDICT_CACHE_SIZE = 65536      # distinct DNS answers remembered (then forgotten all at once)
 
 
 # --------------------------------------------------------------------------- decisions
@@ -100,7 +101,9 @@ def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
 class NetGuard:
     """Checks URLs and pins them to an address. Thread-safe; one per Fetcher.
 
-    Caching is the resolver's job (the default one honours DNS TTLs).
+    Caching names is the resolver's job (the default one honours DNS TTLs); the guard
+    remembers only its verdict on each answer, which depends on nothing but the addresses
+    and its own allow-list.
     """
 
     def __init__(self, allow_networks: Iterable[str] = (), *, resolver: Resolver | None = None,
@@ -111,6 +114,7 @@ class NetGuard:
         self._dns_threads = dns_threads
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._verdicts: dict[tuple[str, ...], tuple[str | None, list[tuple[str, str]]]] = {}
 
     def is_allowed(self, ip: IPAddress) -> bool:
         """True if the allow-list names ``ip`` (or the IPv4 inside an IPv4-mapped address)."""
@@ -139,7 +143,19 @@ class NetGuard:
         return Target(parts.url, parts.scheme, parts.host, parts.port, ip, parts.path)
 
     def _pick(self, addresses: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
-        """The first acceptable address, else None and (address, problem) for each."""
+        """The first acceptable address, else None and (address, problem) for each.
+        Remembered per answer: the same few addresses come back for every URL of a site,
+        and classifying one costs more than the rest of the check."""
+        key = tuple(addresses)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = self._classify(addresses)
+            if len(self._verdicts) >= VERDICT_CACHE_SIZE:
+                self._verdicts.clear()
+            self._verdicts[key] = verdict
+        return verdict
+
+    def _classify(self, addresses: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
         problems = []
         for text in addresses:
             try:

@@ -140,6 +140,23 @@ class HostLimiter:
             _write_state(fd, state)
         return state.backoff_s
 
+    def record(self, host: str, unreachable: bool) -> float:
+        """Without a single owner per site a run of failures cannot be counted for the whole
+        site (each worker sees a part of it): unreachable sites walk the retry tiers."""
+        return 0.0
+
+    def paused_for(self, host: str) -> float:
+        return 0.0
+
+    def unreachable(self, host: str) -> bool:
+        return False
+
+    def paused_sites(self) -> dict[str, float]:
+        return {}
+
+    def shard_acquired(self, shard: int) -> None:
+        """Unpartitioned: no shards."""
+
     def bucket(self, host: str) -> str:
         digest = hashlib.blake2b(host.lower().encode(), digest_size=8).digest()
         return f"{int.from_bytes(digest, 'big') % self.buckets:05d}"

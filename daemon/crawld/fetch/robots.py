@@ -104,6 +104,16 @@ class RobotsCache:
             self.stats.inc("robotstxt/forbidden")
         return RobotsVerdict(allowed, crawl_delay_s=self._delay(entry.parser))
 
+    def forget_unreachable(self) -> int:
+        """Drop the cached "unreachable" answers (how many): after an outage of this host's
+        own network they were the network's, and each would fail its origin's pages, using
+        an attempt, until ``error_ttl_s`` ran out."""
+        with self._lock:
+            stale = [origin for origin, entry in self._entries.items() if entry.unreachable]
+            for origin in stale:
+                del self._entries[origin]
+        return len(stale)
+
     def crawl_delay(self, origin: str) -> float | None:
         """The cached Crawl-delay of ``origin`` (no fetch)."""
         with self._lock:

@@ -7,14 +7,16 @@ so replaying the same id twice publishes it once.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from crawld.config import Config
 from crawld.logs import get_logger
 from crawld.store import DeadRow, Store
-from crawld.task import Task, safe_source
+from crawld.task import MalformedMessage, Task, parse_message, safe_source
 from crawld.transports import make_publisher
 
 log = get_logger("crawld.dlq")
@@ -53,6 +55,10 @@ def replay(cfg: Config, store: Store, task_ids: Sequence[str] | None) -> ReplayR
 
 
 def _task_from_dead(row: DeadRow) -> Task:
+    with suppress(MalformedMessage):     # keep a discovered task's depth, parent and scope
+        kept = parse_message(row.body.encode(), row.task_id, 1 << 30)
+        if kept.url == row.url:
+            return dataclasses.replace(kept, source=safe_source(kept.source), enqueued_at=time.time())
     return Task(task_id=row.task_id, url=row.url, round=row.round or "0",
                 source=safe_source(row.source or "replay"), enqueued_at=time.time())
 

@@ -36,6 +36,14 @@ class PublishSummary:
     def ok(self) -> bool:
         return self.failed == 0
 
+    def record(self, report: PublishReport) -> "PublishSummary":
+        """The outcome of the publish run that followed the outbox writes."""
+        self.published = len(report.confirmed) + len(report.failed)
+        self.confirmed = len(report.confirmed)
+        self.failed = len(report.failed)
+        self.failures = report.failed
+        return self
+
 
 def read_tasks(lines: Iterable[str], round_: str, chunk: int = BATCH) -> Iterator[tuple[list[Task], int]]:
     """Parse a publish file in chunks: (tasks, invalid lines) per chunk. Bad lines are
@@ -65,12 +73,7 @@ def publish_file(cfg: Config, store: Store, stream: IO[str], round_: str,
         summary.read += len(tasks)
         summary.invalid += invalid
         summary.new += store.outbox_add(tasks)     # an id already in the outbox is not new
-    report = publish_unconfirmed(cfg, store, progress, declare)
-    summary.published = len(report.confirmed) + len(report.failed)
-    summary.confirmed = len(report.confirmed)
-    summary.failed = len(report.failed)
-    summary.failures = report.failed
-    return summary
+    return summary.record(publish_unconfirmed(cfg, store, progress, declare))
 
 
 def publish_unconfirmed(cfg: Config, store: Store,

@@ -47,11 +47,12 @@ def format_status(report: dict[str, Any]) -> str:
         lines.append(f"supervisor pid {sup['pid']}  workers {len(sup['workers'])}/{sup['desired']}  "
                      f"generation {sup['generation']}{stale}")
         lines.append(f"  {'pid':>7} {'slot':>4} {'state':<10} {'inflight':>8} {'done':>8} "
-                     f"{'retried':>7} {'dead':>5} {'age':>8}")
+                     f"{'retried':>7} {'dead':>5} {'shards':>6} {'age':>8}")
         for w in sup["workers"]:
             lines.append(f"  {w['pid']:>7} {w['slot']:>4} {w['state']:<10} {w['inflight']:>8} "
-                         f"{w['done']:>8} {w['retried']:>7} {w['dead']:>5} {w['age_s']:>7.0f}s"
-                         f"{_paused_note(w)}")
+                         f"{w['done']:>8} {w['retried']:>7} {w['dead']:>5} {len(w.get('shards') or []):>6} "
+                         f"{w['age_s']:>7.0f}s{_paused_note(w)}")
+            lines += _paused_sites(w)
     else:
         lines.append("supervisor: not running on this host (no state file)")
     b = report["broker"]
@@ -60,6 +61,7 @@ def format_status(report: dict[str, Any]) -> str:
         lines.append(f"  unreachable: {b['error']}")
     else:
         for key in ("depth", "num_pending", "num_ack_pending", "num_redelivered", "consumers",
+                    "intake_depth", "shards", "shard_depth_total", "shard_depth_max",
                     "dead_depth", "dead_messages", "oldest_waiting_s"):
             if key in b and b[key] is not None:
                 lines.append(f"  {key:<20} {b[key]}")
@@ -87,6 +89,12 @@ def _paused_note(worker: dict[str, Any]) -> str:
     if not worker.get("paused_reason"):
         return ""
     return f"  paused: {worker['paused_reason']} for {worker.get('paused_s', 0):.0f}s"
+
+
+def _paused_sites(worker: dict[str, Any]) -> list[str]:
+    """Sites this worker (their shard's owner) holds back after a 429/503 or failures."""
+    return [f"      site paused: {site} for {left:.1f}s more"
+            for site, left in (worker.get("paused_sites") or {}).items()]
 
 
 def _fmt(seconds: float | None) -> str:

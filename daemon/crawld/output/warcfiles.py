@@ -17,6 +17,8 @@ from typing import Any
 
 from warcio.archiveiterator import ArchiveIterator
 
+from crawld.process.files import pid_running
+
 OPEN_SUFFIX = ".open"
 _CHUNK = 1 << 20
 _HEAD_KEEP = 64 * 1024          # a record's WARC header block is far smaller than this
@@ -113,19 +115,7 @@ def recover(directory: str, prefix: str = "crawld", *, hostname: str | None = No
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed worker its parent has not reaped yet is a zombie, i.e. gone
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
+    return pid != os.getpid() and pid_running(pid)
 
 
 def _recover_one(path: str) -> Recovered | None:

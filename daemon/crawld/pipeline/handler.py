@@ -2,7 +2,7 @@
 
     parse → claim (one copy per task id in this process) → duplicate? → delivery limit
     → fetch → classify → store (body sink, then result, attempt or dead row)
-    → result event (confirmed) → Settlement
+    → hooks + discovered URLs (confirmed) → result event (confirmed) → Settlement
 
 The handler writes the store but never talks to the broker: the worker hands the
 Settlement to its transport. Every store write happens before the Settlement is
@@ -20,14 +20,18 @@ from typing import Any, Iterator
 
 from crawld.config import Config
 from crawld.fetch import Fetcher, FetchResult
+from crawld.fetch.reasons import Reason as FetchReason
+from crawld.fetch.urls import BadURL, parse_url
+from crawld.hooks import Page
 from crawld.logs import get_logger
 from crawld.metrics import Metrics
 from crawld.output.events import event_body
 from crawld.output.sinks import BodyFiles, BodySink
-from crawld.pipeline.breaker import NetworkBreaker
-from crawld.pipeline.classify import Decision, Verdict, classify
+from crawld.pipeline.breaker import NetworkBreaker, Site, site_of
+from crawld.pipeline.classify import Decision, Verdict, classify, retry_delay
 from crawld.pipeline.crashguard import CrashGuard
 from crawld.pipeline.faults import Fault, local_fault
+from crawld.pipeline.hooks import REFETCH, HookOutcome, PageHooks, Refetch
 from crawld.pipeline.middleware import Middleware
 from crawld.pipeline.outcomes import Reason, malformed
 from crawld.process.pause import Pause
@@ -48,8 +52,9 @@ class DeliveryHandler:
                  counts_deliveries: bool, metrics: Metrics | None = None,
                  middleware: Middleware | None = None, sink: BodySink | None = None,
                  events: EventPublisher | None = None, pause: Pause | None = None,
-                 breaker: NetworkBreaker | None = None) -> None:
+                 breaker: NetworkBreaker | None = None, hooks: PageHooks | None = None) -> None:
         self.cfg = cfg
+        self.hooks = hooks
         self.sink = sink or BodyFiles(store)
         self.events = events or NoEvents()
         self.store = store
@@ -66,6 +71,7 @@ class DeliveryHandler:
         self.breaker = breaker or NetworkBreaker(cfg.fetch.breaker_window, cfg.fetch.breaker_ratio,
                                                  cfg.fetch.breaker_min_sites)
         self.guard = CrashGuard(cfg, store, counts_deliveries=counts_deliveries, worker_id=worker_id)
+        self.partitioned = cfg.queue.partition != "none"
 
     # -- the path -----------------------------------------------------------------------
     def handle(self, delivery: Delivery) -> Settlement:
@@ -94,9 +100,10 @@ class DeliveryHandler:
     def _handle_task(self, delivery: Delivery, task: Task) -> Settlement:
         bound = log.bind(task_id=task.task_id, url=task.url, attempt=delivery.attempt)
         if self.store.has_result(task.task_id):        # dedup by task id, never by broker hints
-            bound.info("duplicate_skipped", redelivered=delivery.redelivered)
-            return self._announce_duplicate(task, bound) or Settlement(
-                Action.ACK, reason=Reason.DUPLICATE, task=task)
+            pending = self._pending_hooks(task)
+            if pending is not REFETCH:
+                return self._duplicate(delivery, task, pending, bound)
+            bound.info("hooks_refetch", redelivered=delivery.redelivered)
         guard = self.guard.check(delivery, task)
         if guard.attempt != delivery.attempt:     # deliveries forgiven: the attempt it really is
             delivery = dataclasses.replace(delivery, attempt=guard.attempt)
@@ -114,9 +121,17 @@ class DeliveryHandler:
             return self._fetch_and_record(delivery, task, bound)
 
     def _fetch_and_record(self, delivery: Delivery, task: Task, bound: Any) -> Settlement:
+        paused, unreachable = self._site_pause(task)
+        if paused:
+            if unreachable is not None and self.breaker.note(unreachable):
+                return self._defer(delivery, Fault.NETWORK, f"{task.url}: site unreachable", task)
+            return self._postpone(delivery, task, Reason.SITE_PAUSED, paused, bound)
         self.middleware.before_fetch(delivery, task)
         result = self.fetcher.fetch(task.url)
         self.metrics.on_fetch(result.elapsed_s, result.http_status)
+        if self.partitioned and result.reason == FetchReason.POLITENESS:
+            return self._postpone(delivery, task, Reason.SITE_BUSY,
+                                  result.retry_after_s or self.cfg.fetch.per_host_delay_s, bound)
         if self.breaker.record(result):     # unreachable, like most sites lately: this host
             return self._defer(delivery, Fault.NETWORK, result.error, task)
         decision = classify(result, delivery.attempt, self.cfg.queue.max_deliver,
@@ -127,6 +142,31 @@ class DeliveryHandler:
         """A delivery a draining worker never started: give it back, no attempt used."""
         self.forgive([delivery])
         return Settlement(Action.RELEASE, reason=Reason.DRAINING)
+
+    # -- the site asked us to wait ------------------------------------------------------
+    def _site_pause(self, task: Task) -> tuple[float, Site | None]:
+        """Seconds the task's site is paused for (a shard owner knows its sites' state), and
+        the site when the pause is for being unreachable: the breaker counts that task as
+        one more it could not fetch, as it would have without the pause."""
+        if not self.partitioned:
+            return 0.0, None
+        try:
+            host = parse_url(task.url).host
+        except BadURL:
+            return 0.0, None    # the fetch refuses it with its own reason
+        limiter = self.fetcher.limiter
+        paused = limiter.paused_for(host)
+        return paused, site_of(task.url) if paused and limiter.unreachable(host) else None
+
+    def _postpone(self, delivery: Delivery, task: Task, reason: str, delay_s: float,
+                  bound: Any) -> Settlement:
+        """Back to the broker after ``delay_s`` without using an attempt, instead of holding
+        a thread or the delivery: the other sites of the shard keep flowing."""
+        bound.info("task_postponed", reason=reason, delay_s=round(delay_s, 3))
+        if self.counts_deliveries:       # JetStream: the nak is one more num_delivered
+            self.forgive([delivery])
+            self.guard.flush()
+        return Settlement(Action.DEFER, delay_s=max(delay_s, 0.05), reason=reason, task=task)
 
     # -- not the task's fault ----------------------------------------------------------
     def forgive(self, deliveries: list[Delivery]) -> None:
@@ -159,6 +199,10 @@ class DeliveryHandler:
                 bound: Any) -> Settlement:
         if decision.verdict in (Verdict.RESULT, Verdict.SKIP):
             row = self._store_result(delivery, task, result, decision)
+            if decision.verdict is Verdict.RESULT:
+                failed = self._run_hooks(delivery, task, result, row, bound)
+                if failed is not None:
+                    return failed
             unconfirmed = self._announce(task, row, bound)
             if unconfirmed is not None:
                 return unconfirmed
@@ -191,6 +235,53 @@ class DeliveryHandler:
         self.store.put_result(row)
         self.middleware.after_store(delivery, task)
         return row
+
+    # -- hooks: after the row, before the event and the ack ------------------------------
+    def _run_hooks(self, delivery: Delivery, task: Task, result: FetchResult, row: ResultRow,
+                   bound: Any) -> Settlement | None:
+        """None when the hooks ran and their URLs are confirmed (or there are no hooks)."""
+        if self.hooks is None or not self.hooks.enabled:
+            return None
+        outcome = self.hooks.run(self.hooks.page_from_fetch(task, result, row))
+        return None if outcome.ok else self._hooks_failed(delivery, task, outcome, bound)
+
+    def _pending_hooks(self, task: Task) -> Page | Refetch | None:
+        """A stored page whose hooks did not complete (they raised, their URLs were not
+        confirmed, the worker died before ``hooks_done``); None when there is none."""
+        if self.hooks is None or not self.hooks.enabled:
+            return None
+        return self.hooks.pending_page(task)
+
+    def _duplicate(self, delivery: Delivery, task: Task, pending: Page | None,
+                   bound: Any) -> Settlement:
+        """A stored task: run its unfinished hooks on the stored page, then ack (or
+        re-announce) it without fetching again."""
+        if pending is not None and self.hooks is not None:
+            bound.info("hooks_rerun", redelivered=delivery.redelivered)
+            outcome = self.hooks.run(pending)
+            if not outcome.ok:
+                return self._hooks_failed(delivery, task, outcome, bound)
+        bound.info("duplicate_skipped", redelivered=delivery.redelivered)
+        return self._announce_duplicate(task, bound) or Settlement(
+            Action.ACK, reason=Reason.DUPLICATE, task=task)
+
+    def _hooks_failed(self, delivery: Delivery, task: Task, outcome: HookOutcome,
+                      bound: Any) -> Settlement:
+        if outcome.unconfirmed:      # the broker's fault: give it back, it re-runs the hooks
+            bound.warning("links_unconfirmed", error=outcome.unconfirmed)
+            return Settlement(Action.RELEASE, reason=Reason.LINKS_UNCONFIRMED,
+                              error=outcome.unconfirmed, task=task)
+        last_line = outcome.error.strip().splitlines()[-1][:500]
+        if delivery.attempt >= self.cfg.queue.max_deliver:
+            bound.error("hook_dead", hook=outcome.hook, error=last_line)
+            return self._dead(delivery, task, Decision(Verdict.DEAD, reason=Reason.HOOK_ERROR,
+                                                       error=outcome.error))
+        delay = retry_delay(delivery.attempt, self.cfg.queue.retry_delays_s)
+        self.store.put_attempt(task.task_id, delivery.attempt, task.url, f"{Reason.HOOK_ERROR}: {last_line}",
+                               None, delay, self.worker_id)
+        bound.warning("hook_retry", hook=outcome.hook, error=last_line, delay_s=delay)
+        return Settlement(Action.RETRY, delay_s=delay, reason=Reason.HOOK_ERROR, error=last_line,
+                          task=task)
 
     # -- result events: after the row, before the ack ------------------------------------
     def _announce(self, task: Task, row: Any, bound: Any) -> Settlement | None:

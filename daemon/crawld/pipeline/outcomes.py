@@ -18,6 +18,10 @@ class Reason(enum.StrEnum):
     DRAINING = "draining"                     # given back unstarted during a graceful stop
     EVENT_UNCONFIRMED = "event_unconfirmed"   # stored, but the result event was not confirmed
     POISON = "poison"                         # killed its worker while running alone
+    SITE_PAUSED = "site_paused"               # its site asked us to wait: back later, no attempt
+    SITE_BUSY = "site_busy"                   # its site's turn is too far away: back later, no attempt
+    HOOK_ERROR = "hook_error"                 # a [pipeline] hooks callable raised on the page
+    LINKS_UNCONFIRMED = "links_unconfirmed"   # stored, but its discovered URLs were not confirmed
 
 
 MALFORMED_PREFIX = "malformed:"

@@ -78,6 +78,8 @@ class Child:
                 "redelivered": counter("redelivered", 0), "stats": counter("stats", {}),
                 "deferred": counter("deferred", 0), "paused_reason": counter("paused_reason", ""),
                 "paused_s": round(time.time() - counter("paused_since"), 1) if counter("paused_since") else 0.0,
+                "shards": counter("shards", []), "handovers": counter("handovers", 0),
+                "paused_sites": counter("paused_sites", {}),
                 "age_s": round(now - self.started_at, 1), "last_beat_s": round(now - self.last_beat, 1)}
 
 

@@ -29,6 +29,22 @@ def write_state(path: Path, state: dict[str, Any]) -> None:
     _replace(path.with_suffix(".tmp"), path, json.dumps(state))
 
 
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` runs: a zombie (killed, not yet reaped by its parent) does
+    not; one of another user's does."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
 def remove_quietly(path: str | Path) -> None:
     """Remove a file that may never have been written (or was removed by an operator)."""
     try:

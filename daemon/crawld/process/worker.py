@@ -20,12 +20,15 @@ from typing import Any
 
 from crawld.config import Config, runtime_dir, warc_directory
 from crawld.fetch import Fetcher
+from crawld.fetch.sites import SiteLimiter
+from crawld.fleet.partition import partition_key_of_host, shard_of_key
 from crawld.logs import get_logger
 from crawld.metrics import Metrics
 from crawld.output.sinks import BodySink, make_body_sink
-from crawld.pipeline.breaker import NetworkBreaker
+from crawld.pipeline.breaker import HostEvidence, NetworkBreaker
 from crawld.pipeline.faults import Fault
 from crawld.pipeline.handler import DeliveryHandler
+from crawld.pipeline.hooks import PageHooks
 from crawld.pipeline.middleware import Middleware, MiddlewareChain, load_middleware
 from crawld.pipeline.outcomes import Reason
 from crawld.process.heartbeat import Heartbeat
@@ -72,13 +75,15 @@ class Worker:
         self.middleware = middleware or MiddlewareChain()
         self._stop = False
         self.breaker = NetworkBreaker(cfg.fetch.breaker_window, cfg.fetch.breaker_ratio,
-                                      cfg.fetch.breaker_min_sites, cfg.fetch.connect_timeout_s)
+                                      cfg.fetch.breaker_min_sites, cfg.fetch.connect_timeout_s,
+                                      evidence=HostEvidence(runtime_dir(cfg) / "unreachable"))
         self.pause = Pause(self._probes(), cfg.workers.probe_max_s, lambda: self._stop)
+        self.hooks = PageHooks(cfg, store)      # imported here, in this process, once
         self.handler = DeliveryHandler(cfg, store, fetcher, worker_id=self.worker_id,
                                        counts_deliveries=transport.counts_deliveries,
                                        metrics=self.metrics, middleware=self.middleware,
                                        sink=self.sink, events=self.events,
-                                       pause=self.pause, breaker=self.breaker)
+                                       pause=self.pause, breaker=self.breaker, hooks=self.hooks)
         self.pool = ThreadPoolExecutor(max_workers=cfg.workers.threads, thread_name_prefix="fetch")
         self.state = WorkerState(started_at=time.time())
         self._lock = threading.Lock()
@@ -105,6 +110,7 @@ class Worker:
         self.transport.set_stop_check(lambda: self._stop)
         self.transport.set_reconnect_listener(self.metrics.on_reconnect)
         self.transport.set_giveback_listener(self._on_giveback)
+        self.transport.set_shard_listener(self.fetcher.limiter.shard_acquired)
         log.info("worker_starting", worker=self.worker_id, transport=self.transport.name,
                  threads=self.cfg.workers.threads, prefetch=self.cfg.queue.prefetch)
         if self.cfg.queue.prefetch > self.cfg.workers.threads:
@@ -133,6 +139,7 @@ class Worker:
         change = self.pause.poll()
         if change is not None and not self._stop:
             self._on_pause_change(change)
+        self.breaker.refresh()
         self._heartbeat()
 
     # -- faults of our own -------------------------------------------------------------
@@ -160,9 +167,11 @@ class Worker:
             self._set_state(Phase.PAUSED)
             return
         self.breaker.reset()
+        forgotten = self.fetcher.network_back() if change.reason == Fault.NETWORK else 0
         self.pool.submit(self.handler.guard.flush)
         log.info("worker_resumed", worker=self.worker_id, reason=change.reason,
-                 paused_s=change.paused_for_s, probes=change.probes, deferred=self.state.deferred)
+                 paused_s=change.paused_for_s, probes=change.probes, deferred=self.state.deferred,
+                 robots_forgotten=forgotten)
         self.transport.start_consuming(self._on_delivery, self._free_slots)
         self._set_state(Phase.RUNNING)
 
@@ -202,6 +211,7 @@ class Worker:
         if leftover:
             log.warning("warc_left_open", worker=self.worker_id, unfinished=leftover)
             return
+        self.hooks.close()     # after the last page: nothing can want its link publisher now
         try:
             self.sink.close()
         except OSError as exc:
@@ -315,8 +325,28 @@ class Worker:
             snapshot = dict(self.state.__dict__, pid=os.getpid(),
                             connected=self.transport.connected)
         snapshot["stats"] = self.fetcher.stats.snapshot()
+        snapshot.update(self._fleet())
         self.metrics.set_inflight(snapshot["inflight"])
+        self.metrics.set_fleet(len(snapshot["shards"]), len(snapshot["paused_sites"]), snapshot["handovers"])
         self._beat.send(snapshot)
+
+    def _fleet(self) -> dict[str, Any]:
+        """Shards served here and the sites paused by their owner (this worker)."""
+        paused = self.fetcher.limiter.paused_sites()
+        return {"shards": self.transport.owned_shards(), "handovers": self.transport.handovers,
+                "paused_sites": dict(sorted(paused.items(), key=lambda kv: -kv[1])[:20])}
+
+
+def site_limiter(cfg: Config) -> SiteLimiter | None:
+    """In-process politeness for a shard owner; None (flock files) without partitioning."""
+    if cfg.queue.partition == "none":
+        return None
+    # A quarter of the pool may wait for one site; the rest stays free for the others.
+    return SiteLimiter(cfg.fetch.per_host_concurrency, cfg.fetch.per_host_delay_s,
+                       max_waiting=max(1, cfg.workers.threads // 4),
+                       max_not_before_s=cfg.fetch.retry_after_max_s,
+                       shard_of=lambda host: shard_of_key(partition_key_of_host(host, cfg.queue.partition),
+                                                          cfg.queue.shards))
 
 
 def run_worker(cfg: Config) -> int:
@@ -334,7 +364,7 @@ def run_worker(cfg: Config) -> int:
         log.error("worker_boot_failed", reason="store", error=repr(exc))
         return EXIT_BOOT_ERROR
     fetcher = Fetcher(cfg.fetch, pool_size=cfg.workers.threads, run_dir=str(runtime_dir(cfg)),
-                      stats=Stats())
+                      stats=Stats(), limiter=site_limiter(cfg))
     transport = make_transport(cfg, worker_id)
     try:
         sink = make_body_sink(cfg, store)
@@ -353,3 +383,5 @@ def run_worker(cfg: Config) -> int:
     finally:
         fetcher.close()
         store.close()
+        if worker.breaker.evidence is not None:
+            worker.breaker.evidence.close()

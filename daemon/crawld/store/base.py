@@ -23,7 +23,7 @@ from crawld.store.group_commit import GroupCommit
 from crawld.store.ledger import LedgerQueries
 from crawld.store.reports import ReportQueries
 from crawld.store.schema import SCHEMA, migrate_added_columns
-from crawld.task import Task
+from crawld.task import Task, from_extra
 
 
 @dataclass
@@ -84,6 +84,12 @@ DEAD_UPSERT = _upsert_sql("dead", _DEAD_WRITE_COLUMNS)
 
 # ids per ``WHERE task_id IN (...)`` statement: below SQLite's bound-variable limit (999)
 _IN_CHUNK = 500
+_INSERT_CHUNK = 100     # outbox rows per multi-row INSERT (8 values each, also below 999)
+
+
+def _outbox_values(task: Task, now: float) -> tuple:
+    return (task.task_id, task.url, task.round, task.source, now, task.depth, task.parent,
+            task.extra())
 
 
 class Store(ReportQueries, LedgerQueries):
@@ -183,9 +189,28 @@ class Store(ReportQueries, LedgerQueries):
         """Insert new tasks; an id already in the outbox is left as it is. Returns new count."""
         now = time.time()
         return self._exec_many(
-            "INSERT INTO outbox (task_id, url, round, source, state, tries, created_at) "
-            "VALUES (?, ?, ?, ?, 'new', 0, ?) ON CONFLICT (task_id) DO NOTHING",
-            [(t.task_id, t.url, t.round, t.source, now) for t in tasks])
+            "INSERT INTO outbox (task_id, url, round, source, state, tries, created_at, depth, "
+            "parent, extra) VALUES (?, ?, ?, ?, 'new', 0, ?, ?, ?, ?) ON CONFLICT (task_id) DO NOTHING",
+            [_outbox_values(t, now) for t in tasks])
+
+    def outbox_insert(self, tasks: Sequence[Task]) -> None:
+        """``outbox_add`` as outcome writes: durable on return, through the group commit
+        when it is on (a page's discovered URLs share the fsync of other pages' rows)."""
+        now = time.time()
+        for i in range(0, len(tasks), _INSERT_CHUNK):
+            chunk = tasks[i:i + _INSERT_CHUNK]
+            rows = ", ".join("(?, ?, ?, ?, 'new', 0, ?, ?, ?, ?)" for _ in chunk)
+            self._write("INSERT INTO outbox (task_id, url, round, source, state, tries, created_at, "
+                        f"depth, parent, extra) VALUES {rows} ON CONFLICT (task_id) DO NOTHING",
+                        [v for t in chunk for v in _outbox_values(t, now)])
+
+    def outbox_unconfirmed_children(self, parent: str) -> list[Task]:
+        """Rows still ``new`` that were inserted for page ``parent`` (the first insert of a
+        task id wins, so its ``parent`` says which page publishes it)."""
+        rows = self._read("SELECT task_id, url, round, source, depth, parent, extra FROM outbox "
+                          "WHERE parent = ? AND state = 'new'", (parent,))
+        return [Task(task_id=r[0], url=r[1], round=r[2], source=r[3], enqueued_at=time.time(),
+                     depth=r[4], parent=r[5], **from_extra(r[6])) for r in rows]
 
     def outbox_count(self, state: str | None = None) -> int:
         if state is None:
@@ -195,10 +220,10 @@ class Store(ReportQueries, LedgerQueries):
     def outbox_unconfirmed(self, limit: int = 1_000_000, after: str = "") -> list[Task]:
         """Rows still ``new``, in task id order after ``after`` (keyset paging)."""
         rows = self._read(
-            "SELECT task_id, url, round, source, created_at FROM outbox WHERE state = 'new' "
-            "AND task_id > ? ORDER BY task_id LIMIT ?", (after, limit))
-        return [Task(task_id=r[0], url=r[1], round=r[2], source=r[3], enqueued_at=time.time())
-                for r in rows]
+            "SELECT task_id, url, round, source, depth, parent, extra FROM outbox "
+            "WHERE state = 'new' AND task_id > ? ORDER BY task_id LIMIT ?", (after, limit))
+        return [Task(task_id=r[0], url=r[1], round=r[2], source=r[3], enqueued_at=time.time(),
+                     depth=r[4], parent=r[5], **from_extra(r[6])) for r in rows]
 
     def outbox_mark_confirmed(self, task_ids: Sequence[str]) -> None:
         now = time.time()
@@ -208,6 +233,22 @@ class Store(ReportQueries, LedgerQueries):
     def outbox_mark_failed(self, failures: dict[str, str]) -> None:
         self._exec_many("UPDATE outbox SET tries = tries + 1, last_error = ? WHERE task_id = ?",
                         [(reason, tid) for tid, reason in failures.items()])
+
+    # -- hooks --------------------------------------------------------------------
+    def hooks_done(self, task_id: str) -> bool:
+        return bool(self._read("SELECT 1 FROM hooks_done WHERE task_id = ?", (task_id,)))
+
+    def put_hooks_done(self, task_id: str, links: int) -> None:
+        """After the hooks returned and the URLs they found are confirmed. Only a hint for a
+        redelivery (skip the hooks), so it does not wait for its commit: lost in a crash,
+        the redelivered page runs its hooks again, and finds its URLs already confirmed."""
+        sql = ("INSERT INTO hooks_done (task_id, links, done_at) VALUES (?, ?, ?) "
+               "ON CONFLICT (task_id) DO UPDATE SET links = excluded.links, done_at = excluded.done_at")
+        params = (task_id, links, time.time())
+        if self._group is not None:
+            self._group.post(self._sql(sql), params)
+        else:
+            self._exec(sql, params)
 
     # -- outcomes -----------------------------------------------------------------
     def has_result(self, task_id: str) -> bool:

@@ -36,6 +36,11 @@ class GroupCommit:
         if pending.error is not None:
             raise pending.error
 
+    def post(self, sql: str, params: Sequence[Any]) -> None:
+        """Queue the statement with the next batch and return at once (for writes whose
+        loss in a crash costs only repeated work, never an outcome)."""
+        self.queue.put(_Pending(sql, params))
+
     def close(self) -> None:
         self.queue.put(None)
         self.thread.join(10)

@@ -12,7 +12,8 @@ SCHEMA = [
         task_id TEXT PRIMARY KEY, url TEXT NOT NULL, round TEXT NOT NULL, source TEXT NOT NULL,
         state TEXT NOT NULL DEFAULT 'new', tries INTEGER NOT NULL DEFAULT 0,
         created_at DOUBLE PRECISION NOT NULL, confirmed_at DOUBLE PRECISION,
-        last_error TEXT NOT NULL DEFAULT '')""",
+        last_error TEXT NOT NULL DEFAULT '', depth INTEGER NOT NULL DEFAULT 0,
+        parent TEXT NOT NULL DEFAULT '', extra TEXT NOT NULL DEFAULT '')""",
     """CREATE TABLE IF NOT EXISTS results (
         task_id TEXT PRIMARY KEY, url TEXT NOT NULL, final_url TEXT NOT NULL DEFAULT '',
         status TEXT NOT NULL, http_status INTEGER, reason TEXT NOT NULL DEFAULT '',
@@ -41,6 +42,11 @@ SCHEMA = [
     # a suspect running alone; still here on its next delivery = it killed its worker
     """CREATE TABLE IF NOT EXISTS quarantine (
         task_id TEXT PRIMARY KEY, worker TEXT NOT NULL, started_at DOUBLE PRECISION NOT NULL)""",
+    # a stored page whose hooks ran and whose discovered URLs are confirmed (pipeline/hooks.py);
+    # a stored page without a row here has its hooks run again on its next delivery
+    """CREATE TABLE IF NOT EXISTS hooks_done (
+        task_id TEXT PRIMARY KEY, links INTEGER NOT NULL DEFAULT 0,
+        done_at DOUBLE PRECISION NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS outbox_state ON outbox (state)",
     "CREATE INDEX IF NOT EXISTS dead_at ON dead (dead_at)",
     "CREATE INDEX IF NOT EXISTS results_fetched ON results (fetched_at)",
@@ -53,11 +59,25 @@ BIGINT_COLUMNS = {"results": ("stream_seq", "bytes", "warc_offset", "warc_length
 # Columns added after a table's first release: (name, SQLite type and default). A database
 # an older crawld created gains them on start (``migrate_added_columns``).
 ADDED_COLUMNS = {"results": (("warc_file", "TEXT NOT NULL DEFAULT ''"),
-                             ("warc_offset", "INTEGER"), ("warc_length", "INTEGER"))}
+                             ("warc_offset", "INTEGER"), ("warc_length", "INTEGER")),
+                 "outbox": (("depth", "INTEGER NOT NULL DEFAULT 0"),
+                            ("parent", "TEXT NOT NULL DEFAULT ''"),
+                            ("extra", "TEXT NOT NULL DEFAULT ''"))}
+
+
+# Indexes on added columns: created after the migration added them to an older table.
+AFTER_MIGRATION = ["CREATE INDEX IF NOT EXISTS outbox_parent ON outbox (parent)"]
 
 
 def migrate_added_columns(cur: Any, postgres: bool) -> None:
-    """``ALTER TABLE ... ADD COLUMN`` for every ``ADDED_COLUMNS`` entry a table lacks."""
+    """``ALTER TABLE ... ADD COLUMN`` for every ``ADDED_COLUMNS`` entry a table lacks,
+    then the ``AFTER_MIGRATION`` statements."""
+    _add_columns(cur, postgres)
+    for stmt in AFTER_MIGRATION:
+        cur.execute(stmt)
+
+
+def _add_columns(cur: Any, postgres: bool) -> None:
     for table, columns in ADDED_COLUMNS.items():
         if postgres:
             for name, decl in columns:

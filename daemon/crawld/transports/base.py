@@ -125,6 +125,15 @@ class Transport(abc.ABC):
         if listener is not None and given:
             listener(given)
 
+    def set_shard_listener(self, on_acquired: Callable[[int], None]) -> None:
+        """Called on the I/O thread when a shard starts delivering to this worker (again)."""
+        self._on_shard = on_acquired
+
+    def shard_acquired(self, shard: int) -> None:
+        listener = getattr(self, "_on_shard", None)
+        if listener is not None:
+            listener(shard)
+
     def set_stop_check(self, should_stop: Callable[[], bool]) -> None:
         """Lets ``connect`` give up its backoff loop when the worker is told to stop."""
         self._should_stop = should_stop
@@ -136,6 +145,15 @@ class Transport(abc.ABC):
     @property
     def connected(self) -> bool:
         return True
+
+    def owned_shards(self) -> list[int]:
+        """The shards this worker serves now (empty when the work is not partitioned)."""
+        return []
+
+    @property
+    def handovers(self) -> int:
+        """Shards this worker handed to another one so far (rebalance, drain)."""
+        return 0
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """Publishing tasks to the work queue: persistent, mandatory, confirmed, windowed."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import pika
 
 from crawld.config import Config
 from crawld.task import Task
-from crawld.transports.amqp.connection import connection_parameters, message_properties
-from crawld.transports.amqp.topology import topology
+from crawld.transports.amqp.connection import CONNECTION_ERRORS, connection_parameters, message_properties
+from crawld.transports.amqp.topology import declare_topology, route_for
 from crawld.transports.base import ATTEMPT_HEADER, ProgressCallback, PublishReport, Publisher
 
 
@@ -29,11 +29,28 @@ class AmqpPublisher(Publisher):
 
     def publish(self, tasks: Sequence[Task], progress: ProgressCallback | None = None,
                 attempt_reset: bool = False, routing_key: str | None = None) -> PublishReport:
+        """Each task goes straight to its shard queue (or ``routing_key`` when given)."""
         if not tasks:
             return PublishReport()
-        return _BatchPublish(self.cfg, list(tasks), routing_key or self.cfg.queue.name,
-                             self.window, self.timeout_s, progress, self.declare,
+        if self.declare:
+            self._declare()
+        route = (lambda task: routing_key) if routing_key else (lambda task: route_for(self.cfg, task.url))
+        return _BatchPublish(self.cfg, list(tasks), route, self.window, self.timeout_s, progress,
                              attempt_reset).run()
+
+    def _declare(self) -> None:
+        """Queues, exchange and bindings on a short blocking connection (idempotent);
+        a connect failure here is reported per task by the publish run that follows."""
+        try:
+            conn = pika.BlockingConnection(connection_parameters(self.cfg))
+        except CONNECTION_ERRORS:
+            return
+        try:
+            declare_topology(conn.channel(), self.cfg)
+            self.declare = False
+        finally:
+            if conn.is_open:
+                conn.close()
 
     def close(self) -> None:
         pass
@@ -42,16 +59,14 @@ class AmqpPublisher(Publisher):
 class _BatchPublish:
     """One publish run on a SelectConnection; its ioloop stops when every confirm is in."""
 
-    def __init__(self, cfg: Config, tasks: list[Task], routing_key: str, window: int,
-                 timeout_s: float, progress: ProgressCallback | None, declare: bool,
-                 attempt_reset: bool) -> None:
+    def __init__(self, cfg: Config, tasks: list[Task], route: Callable[[Task], str], window: int,
+                 timeout_s: float, progress: ProgressCallback | None, attempt_reset: bool) -> None:
         self.cfg = cfg
         self.tasks = tasks
-        self.routing_key = routing_key
+        self.route = route
         self.window = window
         self.timeout_s = timeout_s
         self.progress = progress
-        self.declare = declare
         self.headers = {ATTEMPT_HEADER: 1} if attempt_reset else {}
         self.report = PublishReport()
         self.next_index = 0
@@ -96,18 +111,7 @@ class _BatchPublish:
             self.conn.close()
 
     def _on_select_ok(self, _frame: Any) -> None:
-        if self.declare:
-            self._declare_next(topology(self.cfg))
-        else:
-            self._pump()
-
-    def _declare_next(self, remaining: list[tuple[str, dict[str, Any]]]) -> None:
-        if not remaining:
-            self._pump()
-            return
-        (queue, args), rest = remaining[0], remaining[1:]
-        self.channel.queue_declare(queue, durable=True, arguments=args,
-                                   callback=lambda _f: self._declare_next(rest))
+        self._pump()
 
     def _pump(self) -> None:
         while len(self.outstanding) < self.window and self.next_index < len(self.tasks):
@@ -115,7 +119,7 @@ class _BatchPublish:
             self.next_index += 1
             self.seq += 1
             self.outstanding[self.seq] = task.task_id
-            self.channel.basic_publish("", self.routing_key, task.to_body(),
+            self.channel.basic_publish("", self.route(task), task.to_body(),
                                        message_properties(task.task_id, dict(self.headers)),
                                        mandatory=True)
         self._maybe_finish()

@@ -2,11 +2,12 @@
 
 One durable pull consumer per job (``queue.name``), shared by every worker: the consumer
 on the server holds the position, the pending acks and the delivery counts, never the
-worker.
+worker. A partitioned fleet (``queue.partition`` host / domain) adds one durable per shard
+and routes the intake durable into them (shards.py, leases.py).
 
 Threading: the transport owns a private asyncio loop that only runs inside ``connect``,
-``poll`` and ``close`` (the worker's main thread). A pull task and an in-progress ticker
-live on that loop. Pool threads call ``settle`` (settle.py), which only hands the work
+``poll`` and ``close`` (the worker's main thread). The pull tasks (one per durable), an
+in-progress ticker and, when partitioned, the lease ticker live on that loop. Pool threads call ``settle`` (settle.py), which only hands the work
 to the loop with ``call_soon_threadsafe``; it is executed during the next ``poll``.
 
 ``max_deliver`` on the consumer is unlimited (-1) on purpose: our worker dead-letters at
@@ -34,17 +35,17 @@ from crawld.transports.base import Delivery, DeliveryCallback, Transport
 from crawld.transports.common import Generations, PendingSettlements
 from crawld.transports.jetstream.connection import (API_TIMEOUT_S, close_quietly, log, open_connection,
                                                     retry_with_backoff)
+from crawld.transports.jetstream.leases import ShardLeases, open_bucket
+from crawld.transports.jetstream.pulls import Pull
 from crawld.transports.jetstream.settle import Held, SettleMixin
-from crawld.transports.jetstream.topology import (MSG_ID_HEADER, STREAM, ensure_consumer,
-                                                  ensure_streams)
-
-FETCH_EXPIRY_S = 1.0         # short pull requests: a restarted server is noticed within ~1 s
-MAX_FETCH_BATCH = 256
+from crawld.transports.jetstream.shards import FETCH_EXPIRY_S, MAX_FETCH_BATCH, ShardMixin
+from crawld.transports.jetstream.topology import (MSG_ID_HEADER, STREAM, WORK_FILTER, ensure_consumer,
+                                                  ensure_streams, partitioned)
 
 T = TypeVar("T")
 
 
-class JetStreamTransport(SettleMixin, Transport):
+class JetStreamTransport(ShardMixin, SettleMixin, Transport):
     name = "jetstream"
     counts_deliveries = True   # num_delivered comes from the server: no attempt header needed
 
@@ -54,26 +55,31 @@ class JetStreamTransport(SettleMixin, Transport):
         self._loop = asyncio.new_event_loop()
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
-        self._psub: Any = None
+        self._pulls: dict[str, Pull] = {}          # durable name -> its pull (intake first)
         self._generations = Generations(self)
         self._on_delivery: DeliveryCallback | None = None
         self._free_slots: Callable[[], int] = lambda: 0
         self._consuming = False
         self._closed = False
         self._closing = False
-        self._rebind = False
-        self._pull_task: asyncio.Task[None] | None = None
         self._ticker_task: asyncio.Task[None] | None = None
         self._settle_tasks: set[asyncio.Task[None]] = set()
         self._held: dict[int, Held] = {}           # id(msg) -> held; the entry keeps msg alive
         self._backlog: deque[Msg] = deque()        # fetched beyond the free slots (rare)
         self._backlog_signal = 0.0
-        self._pull_deadline = 0.0                  # when our last pull request expires
         self._wake = asyncio.Event()
         self._pending = PendingSettlements(log, self.name)
         self._handlers = self._settle_handlers()
         self.reconnects = 0
         self.drift: dict[str, dict[str, Any]] = {}
+        self._partitioned = partitioned(cfg)
+        self._leases = ShardLeases(None, worker_id, cfg.queue.shards, cost=self._inflight_of,
+                                     busy=self._busy_shard, on_claimed=self.shard_acquired) \
+            if self._partitioned else None
+        self._lease_task: asyncio.Task[None] | None = None
+        self._grant_task: asyncio.Task[None] | None = None
+        self._bucket_rebind = False
+        self.routed = 0                            # intake messages routed to their shard
 
     # -- connection life cycle --------------------------------------------------------
     def connect(self) -> None:
@@ -100,10 +106,14 @@ class JetStreamTransport(SettleMixin, Transport):
             await ensure_streams(js, self.cfg)
             self.drift = await ensure_consumer(js, self.cfg)
             psub = await js.pull_subscribe_bind(durable=self.cfg.queue.name, stream=STREAM)
+            kv = await open_bucket(js, self.cfg.queue.replicas) if self._leases else None
         except BaseException:
             await close_quietly(nc)
             raise
-        self._nc, self._js, self._psub = nc, js, psub
+        self._nc, self._js = nc, js
+        self._pulls = {self.cfg.queue.name: Pull(self.cfg.queue.name, WORK_FILTER, None, psub)}
+        if self._leases is not None and kv is not None:
+            self._leases.bind(kv)     # leases survive a new connection object; fencing guards them
         return True
 
     async def _on_error(self, exc: Exception) -> None:
@@ -118,7 +128,9 @@ class JetStreamTransport(SettleMixin, Transport):
     async def _on_reconnected(self) -> None:
         # The server may have restarted (or lost its store): re-check topology before pulling.
         self.reconnects += 1
-        self._rebind = True
+        for pull in self._pulls.values():
+            pull.rebind = True
+        self._bucket_rebind = True      # a server that lost its store lost the bucket too
         nc = self._nc
         log.info("broker_reconnected", transport="jetstream", unsettled=len(self._held),
                  server=nc.connected_url.netloc if nc and nc.connected_url else None)
@@ -140,10 +152,18 @@ class JetStreamTransport(SettleMixin, Transport):
             self._start_tasks()
 
     def _start_tasks(self) -> None:
-        if self._pull_task is None or self._pull_task.done():
-            self._pull_task = self._loop.create_task(self._pull_loop())
+        for pull in self._pulls.values():
+            self._start_pull(pull)
         if self._ticker_task is None or self._ticker_task.done():
             self._ticker_task = self._loop.create_task(self._progress_loop())
+        if self._leases is not None and (self._lease_task is None or self._lease_task.done()):
+            self._lease_task = self._loop.create_task(self._lease_loop())
+        if self._leases is not None and (self._grant_task is None or self._grant_task.done()):
+            self._grant_task = self._loop.create_task(self._grant_loop())
+
+    def _start_pull(self, pull: Pull) -> None:
+        if self._consuming and not pull.stopping and not pull.running:
+            pull.task = self._loop.create_task(self._pull_loop(pull))
 
     def stop_consuming(self) -> None:
         """No new pulls. What the pull in flight still brings is handed to the worker if it
@@ -175,18 +195,20 @@ class JetStreamTransport(SettleMixin, Transport):
         self.gave_back(h.delivery for h in self._held.values())
         self._held.clear()
         self._backlog.clear()
-        self._nc = self._js = self._psub = None
-        for task in (self._pull_task, self._ticker_task):
+        self._nc = self._js = None
+        for task in [p.task for p in self._pulls.values()] + [self._ticker_task, self._lease_task,
+                                                              self._grant_task]:
             if task is not None:
                 task.cancel()
-        self._pull_task = self._ticker_task = None
+        self._pulls = {}          # their subscriptions died with the connection object
+        self._ticker_task = self._lease_task = self._grant_task = None
 
     # -- pulling ------------------------------------------------------------------------
-    async def _pull_loop(self) -> None:
+    async def _pull_loop(self, pull: Pull) -> None:
         failures = 0
-        while self._consuming:
+        while self._consuming and not pull.stopping:
             try:
-                await self._pull_once()
+                await self._pull_once(pull)
                 failures = 0
             except asyncio.CancelledError:
                 raise
@@ -194,42 +216,76 @@ class JetStreamTransport(SettleMixin, Transport):
                 failures += 1
                 delay = random.uniform(0, min(self.cfg.broker.reconnect_max_s, 0.2 * 2 ** min(failures, 10)))
                 log.warning("jetstream_pull_failed", error=repr(exc), failures=failures,
-                            code=getattr(exc, "code", None), err_code=getattr(exc, "err_code", None),
+                            consumer=pull.durable, code=getattr(exc, "code", None),
+                            err_code=getattr(exc, "err_code", None),
                             description=getattr(exc, "description", None), retry_in_s=round(delay, 2))
-                self._rebind = True
+                pull.rebind = True
                 await asyncio.sleep(delay)
 
-    async def _pull_once(self) -> None:
-        slots = self._slots()
-        while self._backlog and slots > 0:
-            self._dispatch(self._backlog.popleft())
-            slots -= 1
-        if slots <= 0 or not self.connected:
+    async def _pull_once(self, pull: Pull) -> None:
+        self._pump_backlog()
+        if not self.connected:
             await self._wait_wake(0.2)
             return
-        if self._rebind:
-            await self._bind()
+        if pull.rebind:
+            await self._bind(pull)
+        if pull.shard is None and self._partitioned:
+            await self._route_batch(pull)       # intake: route to shards, never start work
+            return
+        if pull.shard is not None:
+            await self._pull_shard(pull)        # slots granted by ShardMixin._allocate
+            return
+        free = self._slots() - len(self._backlog)
+        if free <= 0:
+            await self._wait_wake(0.2)
+            return
+        self._take(await self._fetch(pull, min(free, MAX_FETCH_BATCH), FETCH_EXPIRY_S))
+
+    async def _fetch(self, pull: Pull, batch: int, expiry: float) -> list[Msg]:
         # nats-py's fetch may leave its server-side pull request open until it expires; close()
         # waits for that before naking, or the naked messages would come straight back to us.
-        self._pull_deadline = time.monotonic() + FETCH_EXPIRY_S + 0.05
+        pull.start_request(expiry)
         try:
             # No idle heartbeat: nats-py 2.16 drops `expires` from a pull when leftovers
             # were already queued but keeps the heartbeat, and the server answers "400
             # heartbeat value too large" -- messages in that pull then wait out AckWait.
             # A 1 s pull notices a restarted server just as well.
-            msgs = await self._psub.fetch(min(slots, MAX_FETCH_BATCH), timeout=FETCH_EXPIRY_S)
+            msgs = await pull.psub.fetch(batch, timeout=expiry)
         except asyncio.TimeoutError:   # nats TimeoutError/FetchTimeoutError: empty queue, normal
-            return
-        # nats-py may hand back messages left over from an earlier pull: never exceed the slots.
+            msgs = []
+        # The server says how many are left after each message: a drained shard goes back
+        # to probing instead of holding slots in a pull that would only wait out its expiry.
+        pull.pending = msgs[-1].metadata.num_pending if msgs else 0
+        return msgs
+
+    def _take(self, msgs: list[Msg]) -> None:
+        """Hand what a pull brought to the worker, never more than its free slots (nats-py
+        may return leftovers from an earlier pull); the rest waits in the backlog."""
         slots = 0 if self._closing else self._slots()
         for msg in msgs:
-            if slots > 0:
+            if slots > 0 and self._may_start(msg):
                 self._dispatch(msg)
                 slots -= 1
             else:
                 if not self._backlog:
                     self._backlog_signal = time.monotonic()
                 self._backlog.append(msg)
+
+    def _pump_backlog(self) -> None:
+        """Backlog first whenever slots free up; a message of a shard we are giving up
+        stays parked until that shard's release naks it."""
+        if not self._backlog or self._closing:
+            return
+        slots = self._slots()
+        parked: list[Msg] = []
+        while self._backlog and slots > 0:
+            msg = self._backlog.popleft()
+            if self._may_start(msg):
+                self._dispatch(msg)
+                slots -= 1
+            else:
+                parked.append(msg)
+        self._backlog.extendleft(reversed(parked))
 
     def _slots(self) -> int:
         try:
@@ -245,14 +301,16 @@ class JetStreamTransport(SettleMixin, Transport):
             pass
         self._wake.clear()
 
-    async def _bind(self) -> None:
+    async def _bind(self, pull: Pull) -> None:
         """After a reconnect: make sure the stream and durable still exist (a server that lost
         its store comes back empty); the inbox subscription itself is replayed by nats-py."""
         assert self._js is not None
         await ensure_streams(self._js, self.cfg)
-        self.drift = await ensure_consumer(self._js, self.cfg)
-        self._rebind = False
-        log.info("jetstream_consumer_bound", consumer=self.cfg.queue.name, stream=STREAM)
+        drift = await ensure_consumer(self._js, self.cfg, self._consumer_config(pull))
+        if pull.shard is None:
+            self.drift = drift
+        pull.rebind = False
+        log.info("jetstream_consumer_bound", consumer=pull.durable, stream=STREAM)
 
     def _dispatch(self, msg: Msg) -> None:
         md = msg.metadata
@@ -299,7 +357,7 @@ class JetStreamTransport(SettleMixin, Transport):
     def pending_settlements(self) -> int:
         """Queued settles, plus the last pull request while it may still bring messages:
         a draining worker waits for both before it calls close()."""
-        pulling = not self._consuming and self._pull_task is not None and not self._pull_task.done()
+        pulling = not self._consuming and any(p.running for p in self._pulls.values())
         return self._pending.count + int(pulling)
 
     # -- shutdown -------------------------------------------------------------------------
@@ -316,25 +374,31 @@ class JetStreamTransport(SettleMixin, Transport):
             self._finish_loop()
 
     async def _shutdown(self) -> None:
-        if self._pull_task is not None and not self._pull_task.done():
+        await self._stop_lease_loop()
+        running = [p.task for p in self._pulls.values() if p.task is not None and not p.task.done()]
+        if running:
             self._wake.set()
-            try:   # the pull in flight ends by itself within its expiry: nothing orphaned
-                await asyncio.wait_for(asyncio.shield(self._pull_task), FETCH_EXPIRY_S + 1.0)
+            try:   # the pulls in flight end by themselves within their expiry: nothing orphaned
+                await asyncio.wait_for(asyncio.shield(asyncio.gather(*running, return_exceptions=True)),
+                                       FETCH_EXPIRY_S + 1.0)
             except (asyncio.TimeoutError, Exception):
-                self._pull_task.cancel()
+                for task in running:
+                    task.cancel()
         if self._settle_tasks:
             await asyncio.wait(list(self._settle_tasks), timeout=API_TIMEOUT_S + 1.0)
         # No pull request of ours may be open when we nak: the server would hand the
         # released messages right back to this closing subscription (then AckWait).
-        await asyncio.sleep(max(0.0, self._pull_deadline - time.monotonic()))
+        await asyncio.sleep(max([p.request_open_s() for p in self._pulls.values()], default=0.0))
         await self._release_all()
+        if self._leases is not None and self.connected:
+            await self._leases.release_all()   # settled and released: others take over now
         self._closed = True
         await close_quietly(self._nc)
 
     async def _release_all(self) -> None:
         held = [h.msg for h in self._held.values() if not h.settling]
         self.gave_back(h.delivery for h in self._held.values() if not h.settling)
-        leftovers = self._drain_subscription()
+        leftovers = [m for p in self._pulls.values() for m in p.leftovers()]
         await self._release(held + list(self._backlog) + leftovers)
         if held or leftovers:
             log.info("unsettled_released", transport="jetstream", unsettled=len(held),
@@ -355,16 +419,6 @@ class JetStreamTransport(SettleMixin, Transport):
             log.warning("release_unconfirmed", transport="jetstream", count=len(failed),
                         error=repr(failed[0]))
 
-    def _drain_subscription(self) -> list[Msg]:
-        """Messages that arrived for an expired pull but were never returned by fetch()."""
-        queue = getattr(getattr(self._psub, "_sub", None), "_pending_queue", None)
-        out: list[Msg] = []
-        while queue is not None and not queue.empty():
-            msg = queue.get_nowait()
-            if msg.reply and not JetStreamContext.is_status_msg(msg):
-                out.append(msg)
-        return out
-
     def _finish_loop(self) -> None:
         pending = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
         for task in pending:
@@ -372,5 +426,6 @@ class JetStreamTransport(SettleMixin, Transport):
         if pending:
             self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self._loop.close()
-        self._nc = self._js = self._psub = None
+        self._nc = self._js = None
+        self._pulls = {}
 

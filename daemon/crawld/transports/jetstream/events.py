@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import nats.js.errors as jse
@@ -80,6 +81,10 @@ class JetStreamEventPublisher(EventPublisher):
         except FutureTimeout:
             future.cancel()
             return f"no PubAck for the event within {timeout_s:g}s"
+        except FutureCancelled:
+            # The publish ended cancelled: the stored row's event is unconfirmed, never
+            # a failed task.
+            return "event publish cancelled"
 
     def close(self) -> None:
         if self._thread is None or self._loop.is_closed():
@@ -126,5 +131,12 @@ class JetStreamEventPublisher(EventPublisher):
                 return str(exc)
             except RETRYABLE as exc:
                 error = repr(exc)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise           # we are being cancelled ourselves: let it end
+                # Something underneath cancelled the PubAck wait (seen once while a broker
+                # restart tore the connection down): one more failed try, not our end.
+                error = "the PubAck wait was cancelled"
             await asyncio.sleep(min(RESEND_PAUSE_S, max(0.0, deadline - time.monotonic())))
         return error

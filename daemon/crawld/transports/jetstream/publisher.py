@@ -1,4 +1,8 @@
-"""Publishing tasks to the work stream with PubAcks, deduplicated by ``Nats-Msg-Id``."""
+"""Publishing tasks to the work stream with PubAcks, deduplicated by ``Nats-Msg-Id``.
+
+A partitioned fleet gets each task straight on its shard subject (``crawl.shard.<label>``):
+the routing hop through intake is only for plain publishers that know nothing of shards.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +19,7 @@ from crawld.task import Task
 from crawld.transports.base import ProgressCallback, PublishReport, Publisher, TopologyError
 from crawld.transports.jetstream.connection import (API_TIMEOUT_S, RETRYABLE, close_quietly, log,
                                                     open_connection)
-from crawld.transports.jetstream.topology import MSG_ID_HEADER, ensure_streams, work_subject
+from crawld.transports.jetstream.topology import MSG_ID_HEADER, ensure_streams, task_subject
 
 
 class JetStreamPublisher(Publisher):
@@ -81,13 +85,14 @@ class JetStreamPublisher(Publisher):
 
     async def _publish_one(self, js: JetStreamContext, task: Task, msg_id: str,
                            report: PublishReport) -> None:
+        subject = task_subject(self.cfg, task)
         try:
-            ack = await js.publish(work_subject(task.source), task.to_body(), timeout=self.timeout_s,
+            ack = await js.publish(subject, task.to_body(), timeout=self.timeout_s,
                                    headers={MSG_ID_HEADER: msg_id})
         except asyncio.TimeoutError:
             report.failed[task.task_id] = f"no PubAck within {self.timeout_s:g}s"
         except jse.NoStreamResponseError:
-            report.failed[task.task_id] = f"no stream for subject {work_subject(task.source)}"
+            report.failed[task.task_id] = f"no stream for subject {subject}"
         except jse.APIError as exc:
             report.failed[task.task_id] = f"rejected: {exc.description} (err_code {exc.err_code})"
         except (nats.errors.Error, OSError) as exc:

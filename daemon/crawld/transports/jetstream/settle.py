@@ -117,6 +117,10 @@ class SettleMixin:
 
     async def _retry(self, held: Held, settlement: Settlement) -> None:
         await self._reply(held.msg, nak_payload(settlement.delay_s), settlement)
+        self._comes_back(held.msg.subject, settlement.delay_s)
+
+    def _comes_back(self, subject: str, delay_s: float) -> None:
+        """A delayed redelivery is due on ``subject`` (the shard transport probes it then)."""
 
     async def _give_back(self, held: Held, settlement: Settlement) -> None:
         await self._reply(held.msg, Msg.Ack.Nak, settlement)

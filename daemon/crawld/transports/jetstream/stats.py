@@ -1,4 +1,12 @@
-"""Stream and consumer numbers for ``crawld status``."""
+"""Stream and consumer numbers for ``crawld status``.
+
+Partitioned fleets: the top-level ``num_pending`` / ``num_ack_pending`` / ``num_redelivered``
+/ ``num_waiting`` / ``delivered_consumer_seq`` count the whole job (intake plus every shard
+durable), ``delivered_stream_seq`` is the highest any of them delivered (ack floors stay
+the intake durable's), ``intake`` holds the intake durable's
+own numbers, ``shard_depths`` each shard's (num_pending + num_ack_pending), and ``leases``
+who owns which shard (from the ``CRAWL_SHARDS`` bucket).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -12,14 +20,24 @@ from nats.js import JetStreamContext
 from crawld.config import Config, redact_url
 from crawld.transports.jetstream.connection import (API_TIMEOUT_S, RETRYABLE, close_quietly, log,
                                                     servers)
-from crawld.transports.jetstream.topology import DEAD_STREAM, STREAM
+from crawld.fleet.partition import shard_label
+from crawld.transports.jetstream.leases import BUCKET, ShardLeases
+from crawld.transports.jetstream.topology import (DEAD_STREAM, STREAM, partitioned,
+                                                  shard_consumer_name)
+
+SUMMED = ("num_pending", "num_ack_pending", "num_redelivered", "num_waiting")
 
 
 def jetstream_stats(cfg: Config, timeout_s: float = API_TIMEOUT_S) -> dict[str, Any]:
     """Numbers for ``crawld status``; raises ConnectionError if the server is unreachable."""
     loop = asyncio.new_event_loop()
     try:
-        return loop.run_until_complete(_stats(cfg, timeout_s))
+        try:
+            return loop.run_until_complete(_stats(cfg, timeout_s))
+        except asyncio.TimeoutError as exc:      # nats.errors.TimeoutError too
+            # A cluster that just lost a node answers again once its leaders are re-elected.
+            log.info("status_retry", error=repr(exc))
+            return loop.run_until_complete(_stats(cfg, timeout_s))
     finally:
         loop.close()
 
@@ -40,6 +58,8 @@ async def _stats(cfg: Config, timeout_s: float) -> dict[str, Any]:
         out.update(await _stream_stats(js))
         out.update(await _consumer_stats(js, cfg.queue.name))
         out.update(await _dead_stats(js))
+        if partitioned(cfg):
+            out.update(await _shard_stats(js, cfg, out))
         return out
     finally:
         await close_quietly(nc)
@@ -89,3 +109,65 @@ async def _dead_stats(js: JetStreamContext) -> dict[str, Any]:
     except jse.NotFoundError:
         return {"dead_messages": 0, "dead_bytes": 0}
     return {"dead_messages": info.state.messages, "dead_bytes": info.state.bytes}
+
+
+async def _shard_stats(js: JetStreamContext, cfg: Config, intake: dict[str, Any]) -> dict[str, Any]:
+    """Intake depth, per-shard depths (max / total) and the lease table."""
+    shards = cfg.queue.shards
+    names = {shard_consumer_name(cfg, i): shard_label(i, shards) for i in range(shards)}
+    depths: dict[str, int] = {}
+    sums = {key: 0 for key in (*SUMMED, "delivered_consumer_seq")}
+    last_delivered = intake.get("delivered_stream_seq") or 0
+    for info in await _all_consumers(js):
+        label = names.get(info.name)
+        if label is None:
+            continue
+        depths[label] = (info.num_pending or 0) + (info.num_ack_pending or 0)
+        for key in SUMMED:
+            sums[key] += getattr(info, key, 0) or 0
+        sums["delivered_consumer_seq"] += info.delivered.consumer_seq if info.delivered else 0
+        last_delivered = max(last_delivered, info.delivered.stream_seq if info.delivered else 0)
+    out: dict[str, Any] = {"partition": cfg.queue.partition, "shards": shards,
+                           "intake": {k: intake.get(k) for k in ("consumer_exists", *SUMMED)},
+                           "intake_depth": (intake.get("num_pending") or 0) + (intake.get("num_ack_pending") or 0),
+                           "shard_depths": {k: v for k, v in sorted(depths.items()) if v},
+                           "shard_depth_max": max(depths.values(), default=0),
+                           "shard_depth_total": sum(depths.values())}
+    for key in sums:   # the job as a whole: what is still to do anywhere, deliveries made
+        out[key] = (intake.get(key) or 0) + sums[key]
+    out["delivered_stream_seq"] = last_delivered     # the last stream message any of them delivered
+    try:
+        out.update(await _lease_table(js, cfg))
+    except RETRYABLE as exc:   # status still shows the depths
+        out["leases_error"] = repr(exc)
+    return out
+
+
+async def _all_consumers(js: JetStreamContext) -> list[Any]:
+    """Every consumer of CRAWL, 256 per page."""
+    out: list[Any] = []
+    try:
+        while True:
+            page = await js.consumers_info(STREAM, offset=len(out) or None)
+            out.extend(page)
+            if len(page) < 256:
+                return out
+    except jse.NotFoundError:
+        return out
+
+
+async def _lease_table(js: JetStreamContext, cfg: Config) -> dict[str, Any]:
+    try:
+        kv = await js.key_value(BUCKET)
+    except jse.BucketNotFoundError:
+        return {"leases": {}, "live_workers": [], "shards_unowned": cfg.queue.shards}
+    table = await ShardLeases(kv, "crawld-status", cfg.queue.shards).snapshot()
+    now = time.time()
+    leases = {shard_label(i, cfg.queue.shards): {"owner": e.owner, "expires_in_s": round(e.expires - now, 1)}
+              for i, e in sorted(table.shards.items()) if not e.free(now)}
+    live = sorted(e.owner for e in table.workers.values() if not e.free(now))
+    owned: dict[str, int] = {}
+    for lease in leases.values():
+        owned[lease["owner"]] = owned.get(lease["owner"], 0) + 1
+    return {"leases": leases, "live_workers": live, "shards_owned": owned,
+            "shards_unowned": cfg.queue.shards - len(leases)}

@@ -1,7 +1,14 @@
-"""JetStream names and declarations: the work and dead streams and the durable consumer.
+"""JetStream names and declarations: the work and dead streams and the durable consumers.
 
 Create-or-bind, never replace: a differing existing config is reported as drift and kept,
-because replacing a stream or consumer under running workers would lose their state.
+because replacing a stream or consumer under running workers would lose their state. The
+one exception is additive: subjects missing from the work stream are added (an existing
+deployment gains ``crawl.shard.>`` when it upgrades), nothing is ever removed.
+
+Partitioned fleets (``queue.partition`` host / domain) keep the intake durable
+``<queue.name>`` on ``crawl.url.>`` for plain publishers and add one durable per shard,
+``<queue.name>_shard_<label>`` on ``crawl.shard.<label>``: every URL of a site lands in one
+shard, and one worker at a time owns a shard (leases.py).
 """
 from __future__ import annotations
 
@@ -10,11 +17,12 @@ from typing import Any, Awaitable, Sequence, TypeVar
 
 import nats.js.errors as jse
 from nats.js import JetStreamContext
-from nats.js.api import (AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, ReplayPolicy,
+from nats.js.api import (AckPolicy, ConsumerConfig, ConsumerInfo, DeliverPolicy, DiscardPolicy, ReplayPolicy,
                          RetentionPolicy, StorageType, StreamConfig)
 
 from crawld.config import Config
-from crawld.task import safe_source
+from crawld.fleet.partition import shard_label, shard_of
+from crawld.task import Task, safe_source
 from crawld.transports.base import TopologyError
 from crawld.transports.jetstream.connection import RETRYABLE, log
 
@@ -23,6 +31,8 @@ DEAD_STREAM = "CRAWL_DEAD"
 WORK_PREFIX = "crawl.url."
 DEAD_PREFIX = "crawl.dead."
 WORK_FILTER = WORK_PREFIX + ">"
+SHARD_PREFIX = "crawl.shard."
+SHARD_FILTER = SHARD_PREFIX + ">"
 DEAD_FILTER = DEAD_PREFIX + ">"
 MSG_ID_HEADER = "Nats-Msg-Id"
 
@@ -52,9 +62,36 @@ def dead_subject(source: str) -> str:
     return DEAD_PREFIX + safe_source(source)
 
 
+def partitioned(cfg: Config) -> bool:
+    return cfg.queue.partition != "none"
+
+
+def shard_subject(shard: int, shards: int) -> str:
+    return SHARD_PREFIX + shard_label(shard, shards)
+
+
+def shard_of_subject(subject: str, shards: int) -> int | None:
+    """The shard a delivery came from (None: intake or anything else)."""
+    if not subject.startswith(SHARD_PREFIX):
+        return None
+    token = subject[len(SHARD_PREFIX):]
+    return int(token) if token.isdigit() and int(token) < shards else None
+
+
+def shard_consumer_name(cfg: Config, shard: int) -> str:
+    return f"{cfg.queue.name}_shard_{shard_label(shard, cfg.queue.shards)}"
+
+
+def task_subject(cfg: Config, task: Task) -> str:
+    """Where a publisher sends a task: straight to its shard when the fleet is partitioned
+    (no routing hop), else the intake subject of its source, as plain publishers do."""
+    shard = shard_of(task.url, cfg.queue.partition, cfg.queue.shards)
+    return work_subject(task.source) if shard is None else shard_subject(shard, cfg.queue.shards)
+
+
 def work_stream_config(cfg: Config) -> StreamConfig:
     return StreamConfig(
-        name=STREAM, subjects=[WORK_FILTER], retention=RetentionPolicy.WORK_QUEUE,
+        name=STREAM, subjects=[WORK_FILTER, SHARD_FILTER], retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE, num_replicas=cfg.queue.replicas,
         duplicate_window=cfg.queue.duplicate_window_s, max_age=WORK_MAX_AGE_S,
         max_bytes=WORK_MAX_BYTES, discard=DiscardPolicy.NEW)
@@ -79,14 +116,21 @@ def max_ack_pending(cfg: Config) -> int:
 
 
 def consumer_config(cfg: Config) -> ConsumerConfig:
-    name = cfg.queue.name
+    """The intake durable (the only one with ``queue.partition = "none"``)."""
+    return _durable(cfg, cfg.queue.name, WORK_FILTER)
+
+
+def shard_consumer_config(cfg: Config, shard: int) -> ConsumerConfig:
+    return _durable(cfg, shard_consumer_name(cfg, shard), shard_subject(shard, cfg.queue.shards))
+
+
+def _durable(cfg: Config, name: str, filter_subject: str) -> ConsumerConfig:
     return ConsumerConfig(
-        name=name, durable_name=name, filter_subject=WORK_FILTER,
+        name=name, durable_name=name, filter_subject=filter_subject,
         ack_policy=AckPolicy.EXPLICIT, ack_wait=float(cfg.queue.ack_wait_s),
         max_deliver=-1,   # see the module docstring: our code dead-letters at queue.max_deliver
         max_ack_pending=max_ack_pending(cfg), deliver_policy=DeliverPolicy.ALL,
         replay_policy=ReplayPolicy.INSTANT)
-
 
 
 def _plain(value: Any) -> Any:
@@ -107,8 +151,9 @@ def config_drift(have: Any, want: Any, names: Sequence[str]) -> dict[str, dict[s
     return out
 
 
-async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> None:
-    """Create the stream, or bind to it and report (never replace) a differing config."""
+async def ensure_stream(js: JetStreamContext, want: StreamConfig, add_subjects: bool = False) -> None:
+    """Create the stream, or bind to it and report (never replace) a differing config;
+    with ``add_subjects``, subjects the existing stream lacks are added to it."""
     try:
         info = await js.stream_info(want.name)
     except jse.NotFoundError:
@@ -121,10 +166,30 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> None:
             # Either another worker won a creation race (then it exists now), or the server
             # refuses it for good (e.g. another stream already owns the subjects).
             info = await _info_or_refuse(js.stream_info(want.name), f"stream {want.name}", exc)
+    if add_subjects:
+        info = await _add_missing_subjects(js, info, want)
     diffs = config_drift(info.config, want, STREAM_DRIFT_FIELDS)
     if diffs:
         log.warning("jetstream_stream_drift", stream=want.name, diffs=diffs,
                     hint="existing stream kept as is; update it deliberately to apply the config")
+
+
+async def _add_missing_subjects(js: JetStreamContext, info: Any, want: StreamConfig) -> Any:
+    """Upgrade in place: append what is missing, keep every subject the stream has."""
+    have = list(info.config.subjects or [])
+    missing = [s for s in want.subjects or [] if s not in have]
+    if not missing:
+        return info
+    config = info.config
+    config.subjects = have + missing
+    try:
+        info = await js.update_stream(config)
+    except jse.BadRequestError as exc:   # e.g. another stream already owns crawl.shard.>
+        raise TopologyError(f"stream {want.name}: cannot add subjects {missing}: {exc.description} "
+                            f"(err_code {exc.err_code})") from None
+    log.info("jetstream_stream_subjects_added", stream=want.name, added=missing,
+             subjects=info.config.subjects)
+    return info
 
 
 async def _info_or_refuse(lookup: Awaitable[T], what: str, exc: jse.APIError) -> T:
@@ -136,41 +201,51 @@ async def _info_or_refuse(lookup: Awaitable[T], what: str, exc: jse.APIError) ->
 
 
 async def ensure_streams(js: JetStreamContext, cfg: Config) -> None:
-    await ensure_stream(js, work_stream_config(cfg))
+    await ensure_stream(js, work_stream_config(cfg), add_subjects=True)
     await ensure_stream(js, dead_stream_config(cfg))
 
 
-async def ensure_consumer(js: JetStreamContext, cfg: Config) -> dict[str, dict[str, Any]]:
-    """Create-or-bind the durable; returns the drift (also logged as a warning)."""
-    want = consumer_config(cfg)
+async def ensure_consumer(js: JetStreamContext, cfg: Config,
+                          want: ConsumerConfig | None = None) -> dict[str, dict[str, Any]]:
+    """Create-or-bind a durable (default: the intake one); returns the drift (also logged
+    as a warning)."""
+    return (await ensure_consumer_info(js, cfg, want))[1]
+
+
+async def ensure_consumer_info(js: JetStreamContext, cfg: Config, want: ConsumerConfig | None = None
+                               ) -> tuple[ConsumerInfo, dict[str, dict[str, Any]]]:
+    """``ensure_consumer``, plus the consumer's info (its num_pending saves a request)."""
+    want = want or consumer_config(cfg)
+    name = want.durable_name or cfg.queue.name
     try:
-        info = await js.consumer_info(STREAM, cfg.queue.name)
+        info = await js.consumer_info(STREAM, name)
     except jse.NotFoundError:
         try:
-            await js.add_consumer(STREAM, want)
-            log.info("jetstream_consumer_created", stream=STREAM, consumer=cfg.queue.name,
-                     ack_wait_s=want.ack_wait, max_ack_pending=want.max_ack_pending)
-            return {}
+            info = await js.add_consumer(STREAM, want)
+            log.info("jetstream_consumer_created", stream=STREAM, consumer=name,
+                     filter_subject=want.filter_subject, ack_wait_s=want.ack_wait,
+                     max_ack_pending=want.max_ack_pending)
+            return info, {}
         except jse.BadRequestError as exc:
             try:   # lost a creation race to another worker: bind to its consumer
-                info = await js.consumer_info(STREAM, cfg.queue.name)
+                info = await js.consumer_info(STREAM, name)
             except jse.NotFoundError:
-                raise TopologyError(await _consumer_refusal(js, cfg, exc)) from None
+                raise TopologyError(await _consumer_refusal(js, name, exc)) from None
     diffs = config_drift(info.config, want, CONSUMER_DRIFT_FIELDS)
     if diffs:
-        log.warning("jetstream_consumer_drift", stream=STREAM, consumer=cfg.queue.name, diffs=diffs,
+        log.warning("jetstream_consumer_drift", stream=STREAM, consumer=name, diffs=diffs,
                     hint="existing consumer kept as is; delete or update it to apply the config")
-    return diffs
+    return info, diffs
 
 
-async def _consumer_refusal(js: JetStreamContext, cfg: Config, exc: jse.APIError) -> str:
+async def _consumer_refusal(js: JetStreamContext, name: str, exc: jse.APIError) -> str:
     """Name the consumers that already own the work queue: the usual cause is a renamed
     queue.name (a WorkQueue stream allows one consumer per subject)."""
     try:
         others = [c.name for c in await js.consumers_info(STREAM)]
     except RETRYABLE:
         others = []
-    return (f"stream {STREAM} refused durable consumer {cfg.queue.name!r}: {exc.description} "
+    return (f"stream {STREAM} refused durable consumer {name!r}: {exc.description} "
             f"(err_code {exc.err_code}). Existing consumers: {others or 'unknown'}. A WorkQueue "
             f"stream allows one consumer per subject: set queue.name to the existing one, or "
             f"delete that consumer deliberately.")

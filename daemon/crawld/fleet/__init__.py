@@ -1,0 +1,1 @@
+"""The fleet: partitioning work by site so one owner enforces each site's politeness."""

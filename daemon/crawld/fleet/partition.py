@@ -1,0 +1,67 @@
+"""Which shard a task belongs to: every URL of one site goes to one shard, one owner.
+
+StormCrawler's URLPartitionerBolt (byHost / byDomain) and Nutch's ``partition.url.mode``
+do the same: the owner of a shard is the only process fetching its sites, so it can
+enforce per-site concurrency and delay in memory, for the whole fleet.
+
+The shard of a key is ``blake2b(key) mod shards``: the same in every process, host and
+Python version (``hash()`` is salted per process and would scatter a site).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from urllib.parse import urlsplit
+
+PARTITION_MODES = ("host", "domain", "none")
+
+
+def site_of(url: str) -> str:
+    """The politeness key of a URL: its host name, lower-cased, without port or trailing dot
+    (robots.txt stays per origin; politeness is per host, whatever the port)."""
+    try:
+        host = urlsplit(url.strip()).hostname or ""
+    except ValueError:
+        return ""
+    return host.rstrip(".").lower()
+
+
+@functools.lru_cache(maxsize=1)
+def _suffix_list():
+    # publicsuffixlist ships the Public Suffix List in the package: no network at runtime.
+    from publicsuffixlist import PublicSuffixList
+    return PublicSuffixList()
+
+
+@functools.lru_cache(maxsize=65536)
+def registrable_domain(host: str) -> str:
+    """``www.example.co.uk`` -> ``example.co.uk``; an IP literal or a bare suffix stays as is."""
+    if not host or host.replace(".", "").isdigit() or ":" in host:
+        return host
+    return _suffix_list().privatesuffix(host) or host
+
+
+def partition_key(url: str, mode: str) -> str:
+    """The key whose hash picks the shard: the host, or its registrable domain."""
+    return partition_key_of_host(site_of(url), mode)
+
+
+def partition_key_of_host(host: str, mode: str) -> str:
+    return registrable_domain(host) if mode == "domain" else host
+
+
+def shard_of_key(key: str, shards: int) -> int:
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % shards
+
+
+def shard_of(url: str, mode: str, shards: int) -> int | None:
+    """The shard of ``url``; None when the fleet is not partitioned (``mode = "none"``)."""
+    if mode == "none":
+        return None
+    return shard_of_key(partition_key(url, mode), shards)
+
+
+def shard_label(shard: int, shards: int) -> str:
+    """Zero-padded, so names sort: ``07`` of 64, ``007`` of 512."""
+    return f"{shard:0{len(str(max(1, shards - 1)))}d}"
