@@ -297,6 +297,46 @@ def test_concurrent_writers_from_8_threads(tmp_path):
     warcio_check(paths)
 
 
+def test_concurrent_fetches_of_one_payload_give_one_response(tmp_path):
+    """Eight threads at once with the same big payload (gzip takes long enough that they
+    overlap): one response, seven revisits to it. Chains that carry two payloads in
+    opposite orders do not wait on each other: one response per payload, the rest revisits."""
+    big, other = os.urandom(3 << 20), os.urandom(2 << 20)
+    barrier = threading.Barrier(8)
+    with writer(tmp_path) as w:
+        def fetch(hops: list[Exchange]):
+            barrier.wait()
+            return w.write_fetch(hops)
+
+        same = run_threads(fetch, [[page(f"http://same.test/{i}", big)] for i in range(8)])
+        crossing = run_threads(fetch, [[page(f"http://x.test/{i}/a", big if i % 2 else other),
+                                        page(f"http://x.test/{i}/b", other if i % 2 else big)]
+                                       for i in range(8)])
+    kinds = sorted(r.record_type for r in same)
+    assert kinds == ["response"] + ["revisit"] * 7
+    original = next(r for r in same if r.record_type == "response")
+    assert all(r.refers_to == original.location for r in same if r.record_type == "revisit")
+    # `big` is already in the file; `other` gets one response, its 7 other hops revisits
+    assert sum(1 for r in crossing for loc in r.hops
+               if read_record(*loc, directory=str(tmp_path)).rec_type == "response") == 1
+    warcio_check(warc_files(tmp_path))
+
+
+def run_threads(target, args: list) -> list:
+    results: list = [None] * len(args)
+
+    def run(i: int) -> None:
+        results[i] = target(args[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(args))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert None not in results
+    return results
+
+
 CHILD = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {daemon!r})

@@ -25,6 +25,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ ORIGINAL_PREFIX = "X-Crawld-Original-"
 REVISIT_PROFILE = "http://netpreserve.org/warc/1.1/revisit/identical-payload-digest"
 HTTP_RESPONSE_TYPE = "application/http; msgtype=response"
 HTTP_REQUEST_TYPE = "application/http; msgtype=request"
+ORIGINAL_WAIT_S = 5.0        # longest a duplicate payload waits for its original's append
 GZIP_LEVEL = 6               # zlib's default: level 9 costs twice the CPU for ~3% smaller files
 REFERS_TO_LOCATION = "X-Crawld-Refers-To-Location"   # "<file> <offset> <length>" of a revisit's original
 # Process-wide, so two writers in one process (tests, a writer reopened after close)
@@ -186,6 +188,7 @@ class WarcFileWriter:
         self.extra_info = dict(info or {})
         self.closed_files: list[str] = []
         self._lock = threading.Lock()          # file, offsets, dedup map
+        self._appended = threading.Condition(self._lock)   # an original reached the file
         self._sync_lock = threading.Lock()     # one fsync at a time; latecomers piggyback
         self._seen: collections.OrderedDict[str, _Seen] = collections.OrderedDict()
         self._fd: int | None = None
@@ -216,6 +219,7 @@ class WarcFileWriter:
         plans = [_Planned(h, _warc_date(h.fetched_at), payload_digest(h.payload)) for h in hops]
         with self._lock:
             self._check_open()
+            self._wait_for_originals(plans)
             self._plan_dedup(plans)
         try:
             data, spans = self._serialise(plans)
@@ -228,6 +232,7 @@ class WarcFileWriter:
                 for plan, loc in zip(plans, locations):
                     if plan.registered is not None:
                         plan.registered.location = loc
+                self._appended.notify_all()
         except BaseException:
             self._forget(plans)
             raise
@@ -287,6 +292,25 @@ class WarcFileWriter:
 
     # -- records --------------------------------------------------------------------------
 
+    def _wait_for_originals(self, plans: list[_Planned]) -> None:
+        """Wait (bounded) while another thread is appending a payload this fetch carries,
+        so N concurrent fetches of one payload give one response and N-1 revisits, not a
+        response each. Nothing is registered while waiting, and a fetch that registered
+        an original never waits, so waits cannot form a cycle."""
+        if not self.revisits:
+            return
+        deadline = time.monotonic() + ORIGINAL_WAIT_S
+        while any(self._in_flight(plan.digest) for plan in plans if plan.hop.payload
+                  and not plan.hop.truncated):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return        # a slow original: write a full response rather than stall
+            self._appended.wait(left)
+
+    def _in_flight(self, digest: str) -> bool:
+        seen = self._seen.get(digest)
+        return seen is not None and seen.location is None
+
     def _plan_dedup(self, plans: list[_Planned]) -> None:
         """Decide revisits under the lock. Only payloads already *appended* are referred
         to, so a revisit never points at a record whose write later failed."""
@@ -309,6 +333,7 @@ class WarcFileWriter:
             for plan in plans:
                 if plan.registered is not None and self._seen.get(plan.digest) is plan.registered:
                     del self._seen[plan.digest]
+            self._appended.notify_all()
 
     def _serialise(self, plans: list[_Planned]) -> tuple[bytes, list[tuple[int, int]]]:
         """gzip every record of the fetch into one buffer; spans of the response records.
