@@ -1,7 +1,7 @@
 """crawld (1 worker) vs the same work written plainly (plain_pipeline.py), side by side (issue 17).
 
     python tests/bench/bench_plain.py [--quick] [--tasks 8000] [--rounds 2] [--transports amqp,jetstream]
-                                      [--lean] [--profile DIR] [--md FILE]
+                                      [--lean] [--baseline CHECKOUT] [--profile DIR] [--md FILE]
 
 Pages come from a private Debian nginx (nginx_site.py): ``/p/N``, ~2 KB static HTML, one site
 on 127.0.0.1. For each transport the two contenders work through the same N tasks (the
@@ -21,7 +21,9 @@ Both are timed from the outside in the same way: a COUNT(*) of the store polled 
 processes from /proc (crawld: the supervisor's forked worker, not the supervisor; plain:
 its one process): ``all`` over the whole life divided by N (start-up included), ``steady``
 over the same window as steady/s. ``--lean`` adds crawld with ``store.bodies = files`` and
-``output.events = false`` (the outputs the plain pipeline lacks). With ``--profile DIR`` py-spy records the crawld worker
+``output.events = false`` (the outputs the plain pipeline lacks). ``--baseline CHECKOUT`` adds
+crawld run from another checkout's ``daemon/`` (e.g. a ``git worktree`` of the commit before a
+change), the same ABBA rounds: before/after of one change measured side by side. With ``--profile DIR`` py-spy records the crawld worker
 (``--native``, speedscope) in the first AMQP round and prints its top frames.
 """
 from __future__ import annotations
@@ -308,11 +310,11 @@ def mean(values: list[float | None]) -> float | None:
 
 
 def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section: Section,
-            profile: Path | None, lean: bool = False) -> None:
+            profile: Path | None, lean: bool = False, baseline: str | None = None) -> None:
     site = env.nginx(pages=n)
     urls = [site.page_url(i) for i in range(n)]
     timeout = 60 + n / 50
-    contenders = ["crawld", "plain"] + (["crawld-lean"] if lean else [])
+    contenders = ["crawld", "plain"] + (["crawld-lean"] if lean else []) + (["crawld-base"] if baseline else [])
     runs: dict[str, list[Track]] = {who: [] for who in contenders}
     for i, who in enumerate(abba(rounds, contenders)):
         if who == "crawld":
@@ -320,6 +322,9 @@ def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section
             result = run_crawld(env, transport, urls, timeout, spy)
         elif who == "crawld-lean":
             result = run_crawld(env, transport, urls, timeout, extra_env=LEAN_ENV)
+        elif who == "crawld-base":
+            result = run_crawld(env, transport, urls, timeout,
+                                extra_env={"PYTHONPATH": str(Path(baseline or "") / "daemon")})
         else:
             result = run_plain(env, transport, urls, timeout)
         runs[who].append(result)
@@ -351,6 +356,11 @@ def summarise(transport: str, runs: dict[str, list[Track]], section: Section) ->
                                 ratio(cpu["crawld"], cpu["plain"]), "<= 1.25x", 1.25, higher_is_better=False))
     section.ratios.append(Ratio(f"crawld / plain worker CPU per task (whole process life), {transport}",
                                 ratio(cpu_all["crawld"], cpu_all["plain"])))
+    if "crawld-base" in runs:
+        section.ratios.append(Ratio(f"crawld / crawld-base (this checkout vs the baseline), {transport}, steady pages/s",
+                                    ratio(rate["crawld"], rate["crawld-base"])))
+        section.ratios.append(Ratio(f"crawld / crawld-base worker CPU per task (steady), {transport}",
+                                    ratio(cpu["crawld"], cpu["crawld-base"]), higher_is_better=False))
     if "crawld-lean" in runs:
         section.ratios.append(Ratio(f"crawld-lean (files, no events) / plain pipeline, {transport}, steady pages/s",
                                     ratio(rate["crawld-lean"], rate["plain"])))
@@ -367,7 +377,7 @@ def measure(env: Env, args: argparse.Namespace, section: Section) -> None:
     section.tables.append(table)         # first: a failed transport still shows the rows so far
     for transport in args.transports.split(","):
         compare(env, transport, n, args.rounds, table, section, Path(args.profile) if args.profile else None,
-                args.lean)
+                args.lean, args.baseline)
     section.notes.append("crawld runs with its defaults for robots, the SSRF guard, the body store "
                          "(store.bodies = warc) and output.events (on); the plain pipeline writes one "
                          "file per body and publishes no events. CPU is user+system of the worker "
@@ -394,6 +404,7 @@ def command_line(args: argparse.Namespace) -> str:
     out += f" --rounds {args.rounds}" if args.rounds != 2 else ""
     out += f" --transports {args.transports}" if args.transports != "amqp,jetstream" else ""
     out += " --lean" if args.lean else ""
+    out += f" --baseline {args.baseline}" if args.baseline else ""
     return out + (f" --profile {args.profile}" if args.profile else "")
 
 
@@ -406,6 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--md", help="also write the section as markdown to this file")
     parser.add_argument("--lean", action="store_true",
                         help="also run crawld with store.bodies=files and output.events=false")
+    parser.add_argument("--baseline", help="also run crawld from this checkout (its daemon/ on PYTHONPATH)")
     parser.add_argument("--profile", help="py-spy the crawld worker in the first AMQP round into DIR")
     return parser.parse_args(argv)
 

@@ -6,6 +6,11 @@ dead letters with publisher confirms + ``mandatory``. Pool threads never touch
 either channel: ``settle`` hands the broker work to the connection with
 ``add_callback_threadsafe`` and it runs inside the next ``poll``.
 
+Settlements queue up in an inbox that the connection thread drains in bursts (one
+wake-up per burst, not per task), and the acks of a burst go out as one
+``basic_ack(multiple=True)`` up to the oldest delivery still in progress: a group commit
+settles its whole batch at once, so one frame acks most of it.
+
 Delivery tags are channel-scoped: every delivery remembers the connection
 generation it came from, and a settle for an older generation is dropped (the
 broker has already requeued that message) instead of raising
@@ -14,8 +19,9 @@ broker has already requeued that message) instead of raising
 from __future__ import annotations
 
 import random
+import threading
 import time
-from functools import partial
+from collections import deque
 from typing import Any, Callable
 
 import pika
@@ -58,6 +64,10 @@ class AmqpTransport(Transport):
         self._consuming = False
         self._pending = PendingSettlements(log, self.name)
         self._unsettled: dict[int, Delivery] = {}
+        self._inbox: deque[tuple[Delivery, Settlement]] = deque()
+        self._inbox_lock = threading.Lock()
+        self._wake_pending = False
+        self._acks: list[int] | None = None       # a burst's acks, sent once it is done
         self._held: list[tuple[Delivery, Settlement]] | None = None
         self._handlers = complete({Action.ACK: self._ack, Action.SKIP: self._ack,
                                    Action.RELEASE: self._release, Action.RETRY: self._retry,
@@ -165,7 +175,9 @@ class AmqpTransport(Transport):
             self._reconnect()
             return
         try:
+            self._drain_inbox()
             self._conn.process_data_events(time_limit=timeout)
+            self._drain_inbox()
             if self._ch is None:
                 return          # a settle callback inside process_data_events found it lost
             if not self._ch.is_open:
@@ -187,6 +199,8 @@ class AmqpTransport(Transport):
                     unsettled=len(self._unsettled), generation=self._generations.current)
         self.gave_back(self._unsettled.values())
         self._unsettled.clear()
+        if self._acks is not None:
+            self._acks.clear()
         self._forget_consumers()
         conn, self._conn, self._ch, self._pub = self._conn, None, None, None
         if conn is not None and conn.is_open:
@@ -349,15 +363,65 @@ class AmqpTransport(Transport):
         return self._pending.count
 
     def settle(self, delivery: Delivery, settlement: Settlement) -> None:
-        """Called from pool threads: queue the work on the connection's thread."""
+        """Called from pool threads: queue the work for the connection's thread, and wake
+        that thread unless a wake-up is already on its way."""
         conn = self._conn
 
         def schedule() -> None:
             if conn is None:
                 raise pex.ConnectionWrongStateError("not connected")
-            conn.add_callback_threadsafe(partial(self._settle_now, delivery, settlement))
+            with self._inbox_lock:
+                self._inbox.append((delivery, settlement))
+                wake, self._wake_pending = not self._wake_pending, True
+            if wake:
+                try:
+                    conn.add_callback_threadsafe(self._drain_inbox)
+                except HANDOFF_REFUSED:
+                    # Queued all the same: the next poll drains it (and drops it as stale
+                    # if the connection is gone), which keeps the pending count exact.
+                    with self._inbox_lock:
+                        self._wake_pending = False
 
         self._pending.hand_off(schedule, delivery, settlement, HANDOFF_REFUSED, "connection gone")
+
+    def _drain_inbox(self) -> None:
+        """Runs on the connection thread: settle everything queued, acks coalesced. A call
+        nested in a drain (pika may run callbacks while a forward waits for its confirm)
+        leaves the work to the outer one, which loops until the inbox is empty."""
+        if self._acks is not None:
+            return
+        self._acks = []
+        try:
+            while batch := self._take_inbox():
+                for delivery, settlement in batch:
+                    self._settle_now(delivery, settlement)
+            self._send_acks(self._acks)
+        except CONNECTION_ERRORS as exc:
+            self._lost(exc)
+        finally:
+            self._acks = None
+
+    def _take_inbox(self) -> list[tuple[Delivery, Settlement]]:
+        with self._inbox_lock:
+            batch = list(self._inbox)
+            self._inbox.clear()
+            self._wake_pending = False
+        return batch
+
+    def _send_acks(self, tags: list[int]) -> None:
+        """One multiple-ack up to the oldest delivery still in progress (every tag below it
+        is settled by now: acked here, or nacked or acked before), single acks above it."""
+        if not tags or not self.connected:
+            return
+        oldest_open = min(self._unsettled, default=None)
+        below = [t for t in tags if oldest_open is None or t < oldest_open]
+        if len(below) > 1:
+            self._ch.basic_ack(max(below), multiple=True)
+        elif below:
+            self._ch.basic_ack(below[0])
+        for tag in tags:
+            if oldest_open is not None and tag > oldest_open:
+                self._ch.basic_ack(tag)
 
     def _settle_now(self, delivery: Delivery, settlement: Settlement, may_hold: bool = True) -> None:
         """Runs on the connection thread inside process_data_events."""
@@ -379,7 +443,10 @@ class AmqpTransport(Transport):
             self._pending.done()
 
     def _ack(self, delivery: Delivery, settlement: Settlement) -> None:
-        self._ch.basic_ack(delivery.handle[1])
+        if self._acks is not None:
+            self._acks.append(delivery.handle[1])     # sent when the burst is done
+        else:
+            self._ch.basic_ack(delivery.handle[1])
 
     def _requeue(self, delivery: Delivery, settlement: Settlement) -> None:
         self._ch.basic_nack(delivery.handle[1], requeue=True)
