@@ -54,6 +54,7 @@ class AmqpEventPublisher(EventPublisher):
         self._queue: collections.deque[_Event] = collections.deque()
         self._outstanding: dict[int, _Event] = {}     # delivery tag -> event (this channel)
         self._next_tag = 0
+        self._wake_pending = False     # a _pump is already on its way to the events thread
         self._conn: Any = None
         self._channel: Any = None
         self._ready = threading.Event()
@@ -73,7 +74,9 @@ class AmqpEventPublisher(EventPublisher):
         event = _Event(task_id, status, body)
         with self._lock:
             self._queue.append(event)
-        self._wake()
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:          # one wake-up (a pipe write and a loop turn) per burst of events
+            self._wake()
         if not event.done.wait(timeout_s):
             event.abandoned = True
             return event.error or f"no confirm for the event within {timeout_s:g}s"
@@ -156,6 +159,8 @@ class AmqpEventPublisher(EventPublisher):
             self._conn.close()
 
     def _pump(self) -> None:
+        with self._lock:
+            self._wake_pending = False
         channel = self._channel
         if channel is None or not channel.is_open:
             return
