@@ -9,6 +9,7 @@ Signals only set flags (TERM/INT: drain, QUIT: fast stop); the loop does the wor
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -42,6 +43,7 @@ from crawld.transports.base import (Action, Delivery, EventPublisher, NoEvents, 
 log = get_logger("crawld.worker")
 
 EXIT_BOOT_ERROR = 3      # retrying cannot help: the supervisor stops instead of respawning
+GC_YOUNG_THRESHOLD = 10_000   # allocations between young-generation collections (CPython: 700)
 
 
 @dataclass
@@ -375,6 +377,7 @@ def run_worker(cfg: Config) -> int:
     worker = Worker(cfg, transport, store, fetcher, Metrics(), worker_id, middleware,
                     sink=sink, events=make_event_publisher(cfg, worker_id))
     worker.install_signal_handlers()
+    _tune_gc()
     try:
         return worker.run()
     except TopologyError as exc:
@@ -385,3 +388,12 @@ def run_worker(cfg: Config) -> int:
         store.close()
         if worker.breaker.evidence is not None:
             worker.breaker.evidence.close()
+
+
+def _tune_gc() -> None:
+    """What boot made (modules, config, pools) lives as long as the worker: out of the
+    collector's sight. A page's garbage is mostly freed by reference counting, so young
+    collections can run ~15x less often than CPython's default (700 allocations)."""
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
