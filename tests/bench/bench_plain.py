@@ -24,12 +24,13 @@ over the same window as steady/s. ``--lean`` adds crawld with ``store.bodies = f
 ``output.events = false`` (the outputs the plain pipeline lacks). ``--baseline CHECKOUT`` adds
 crawld run from another checkout's ``daemon/`` (e.g. a ``git worktree`` of the commit before a
 change), the same ABBA rounds: before/after of one change measured side by side. With ``--profile DIR`` py-spy records the crawld worker
-(``--native``, speedscope) in the first AMQP round and prints its top frames.
+(``--native``, speedscope) in the first round of each transport and prints its top frames.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import shutil
 import subprocess
@@ -119,7 +120,7 @@ def run_crawld(env: Env, transport: str, urls: list[str], timeout: float,
         spy = None
         workers = lambda: children_of(sup.pid)   # noqa: E731  (the forked worker, not the supervisor)
         if profile is not None:
-            spy = start_profile(env, sup, setup.db, profile)
+            spy = start_profile(env, sup, setup.db, profile, transport)
         result = track(setup.db, len(urls), started, workers, sup, timeout)
         if spy is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -149,7 +150,8 @@ PROFILES = (("gil", ["--native", "--gil"], "the thread holding the GIL (interpre
             ("gil-py", ["--gil"], "the thread holding the GIL, Python frames only"))
 
 
-def start_profile(env: Env, sup: subprocess.Popen, db: Path, out: Path) -> subprocess.Popen | None:
+def start_profile(env: Env, sup: subprocess.Popen, db: Path, out: Path,
+                  transport: str) -> subprocess.Popen | None:
     """Once the worker stores rows, py-spy record it three times, 8 s each: the GIL holder
     and all active threads with native frames, then the GIL holder without (a shell runs
     them one after the other; one process to stop)."""
@@ -162,7 +164,7 @@ def start_profile(env: Env, sup: subprocess.Popen, db: Path, out: Path) -> subpr
     out.mkdir(parents=True, exist_ok=True)
     cmds = [" ".join(["py-spy", "record", "--pid", str(worker), *flags, "--duration", "8",
                       "--rate", "100", "--format", "speedscope", "--output",
-                      str(out / f"crawld-worker-amqp.{name}.speedscope.json")])
+                      str(out / f"crawld-worker-{transport}.{name}.speedscope.json")])
             for name, flags, _ in PROFILES]
     return env.spawn(["sh", "-c", " ; ".join(cmds)], log=out / "py-spy.log")
 
@@ -215,13 +217,13 @@ def _short(file: str) -> str:
 
 def profile_tables(out: Path) -> list[Table]:
     tables = []
-    for name, _, label in PROFILES:
-        path = out / f"crawld-worker-amqp.{name}.speedscope.json"
+    for transport, (name, _, label) in itertools.product(("amqp", "jetstream"), PROFILES):
+        path = out / f"crawld-worker-{transport}.{name}.speedscope.json"
         if not path.exists():
             continue
         seconds, self_top, py_top, total_top = speedscope_top(path)
         flags = " ".join(next(f for n, f, _ in PROFILES if n == name))
-        table = Table(f"py-spy {flags}, crawld worker (AMQP): {label}; "
+        table = Table(f"py-spy {flags}, crawld worker ({transport}): {label}; "
                       f"{seconds:.1f} thread-seconds sampled over 8 s",
                       ["frame (self)", "% self", "Python frame (self, native folded in)", "% self",
                        "crawld function (total)", "% total"])
@@ -318,7 +320,7 @@ def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section
     runs: dict[str, list[Track]] = {who: [] for who in contenders}
     for i, who in enumerate(abba(rounds, contenders)):
         if who == "crawld":
-            spy = profile if (profile is not None and transport == "amqp" and not runs["crawld"]) else None
+            spy = profile if (profile is not None and not runs["crawld"]) else None
             result = run_crawld(env, transport, urls, timeout, spy)
         elif who == "crawld-lean":
             result = run_crawld(env, transport, urls, timeout, extra_env=LEAN_ENV)
@@ -387,7 +389,7 @@ def measure(env: Env, args: argparse.Namespace, section: Section) -> None:
                              "CRAWLD_OUTPUT_EVENTS=false, i.e. the outputs the plain pipeline lacks turned off.")
     if args.profile:
         section.tables.extend(profile_tables(Path(args.profile)))
-        section.notes.append(f"py-spy --native speedscope profile of the first AMQP crawld round in {args.profile} "
+        section.notes.append(f"py-spy --native speedscope profile of the first crawld round of each transport in {args.profile} "
                              f"(py-spy pauses the process to sample: that round's rate is not comparable)")
 
 
@@ -418,7 +420,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lean", action="store_true",
                         help="also run crawld with store.bodies=files and output.events=false")
     parser.add_argument("--baseline", help="also run crawld from this checkout (its daemon/ on PYTHONPATH)")
-    parser.add_argument("--profile", help="py-spy the crawld worker in the first AMQP round into DIR")
+    parser.add_argument("--profile", help="py-spy the crawld worker in the first round of each transport into DIR")
     return parser.parse_args(argv)
 
 
