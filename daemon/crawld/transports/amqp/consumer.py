@@ -131,6 +131,9 @@ class AmqpTransport(Transport):
             try:
                 self._close_prefetch_window()
                 for tag in list(self._tags.values()):
+                    # What pika has buffered for this consumer is handed to us first:
+                    # basic_cancel would reject it (requeued, flagged redelivered).
+                    self._conn.process_data_events(time_limit=0)
                     self._ch.basic_cancel(tag)
                 self._requeue_releasing()
             except CONNECTION_ERRORS as exc:
