@@ -9,6 +9,7 @@ consumer per subject, so tests cannot share a server with different durable name
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -26,7 +27,7 @@ from crawld.config import Config
 from crawld.task import Task, new_task, parse_message
 from crawld.transports.jetstream.topology import task_subject
 from crawld.transports.base import (ATTEMPT_HEADER, ERROR_HEADER, ORIGIN_HEADER, REASON_HEADER,
-                                    Action, Delivery, Settlement)
+                                    Action, Delivery, PublishReport, Settlement)
 from crawld.transports.jetstream import (DEAD_STREAM, STREAM, JetStreamPublisher, JetStreamTransport,
                                          TopologyError, jetstream_stats)
 
@@ -217,6 +218,41 @@ def test_publish_failures_are_reported(server: NatsServer) -> None:
     with JetStreamPublisher(down) as pub:
         report = pub.publish(make_tasks("c"))
     assert report.failed["c"].startswith("connect failed")
+
+
+def test_publish_window_confirms_thousands_and_reports_silence(server: NatsServer) -> None:
+    """PubAcks come back on one inbox: 3,000 tasks through a window of 50 are all confirmed
+    (and in the stream), with progress to the end. A subject that something other than a
+    stream listens on answers nothing: the window gives up after its timeout and reports
+    every task failed, none confirmed, nothing hangs."""
+    cfg = make_cfg(server.url)
+    keys = [f"w{i:04d}" for i in range(3000)]
+    calls: list[tuple[int, int]] = []
+    with JetStreamPublisher(cfg, window=50) as pub:
+        report = pub.publish(make_tasks(*keys), progress=lambda d, t: calls.append((d, t)))
+    assert sorted(report.confirmed) == keys and not report.failed
+    assert calls[-1] == (3000, 3000) and jetstream_stats(cfg)["messages"] == 3000
+
+    run_async(_delete_stream(server.url, STREAM))
+    silent = make_tasks(*[f"s{i:02d}" for i in range(25)])
+
+    def publish_silent() -> PublishReport:
+        with JetStreamPublisher(cfg, window=10, timeout_s=0.5, declare=False) as pub:
+            return pub.publish(silent)
+
+    async def swallow() -> PublishReport:     # a core subscriber: the server sees a responder
+        nc = await nats.connect(server.url)
+        await nc.subscribe(task_subject(cfg, silent[0]))
+        await nc.flush()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, publish_silent)
+        finally:
+            await nc.close()
+
+    report = run_async(swallow())
+    assert report.confirmed == [] and sorted(report.failed) == sorted(t.task_id for t in silent)
+    reasons = Counter(reason.split(":")[0] for reason in report.failed.values())
+    assert reasons == {"no PubAck within 0.5s": 10, "not sent": 15}, reasons
 
 
 # -- in progress ----------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from benchlib import (BENCH_DIR, PREFETCH, PY, THREADS, Env, Ratio, Section, Table, amqp_delete, amqp_depth,
                       amqp_delete_setup, amqp_publish_raw, children_of, cpu_seconds, crawld_publish,

@@ -60,6 +60,19 @@ async def retry_with_backoff(cfg: Config, should_stop: Callable[[], bool], what:
     return await Backoff(cfg, should_stop, RETRYABLE, log, "jetstream", what).acall(attempt)
 
 
+async def wait_set(event: asyncio.Event, timeout: float) -> bool:
+    """``event.wait()`` with a timeout, without the Task that ``asyncio.wait_for`` wraps
+    around it: the pull, grant and settle loops wait like this once per delivery or more."""
+    if event.is_set():
+        return True
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+        return True
+    except TimeoutError:
+        return False
+
+
 async def close_quietly(nc: Client | None, timeout: float = 2.0) -> None:
     if nc is None or nc.is_closed:
         return

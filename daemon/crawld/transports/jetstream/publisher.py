@@ -6,24 +6,29 @@ the routing hop through intake is only for plain publishers that know nothing of
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import nats.errors
-import nats.js.errors as jse
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import Header
 
 from crawld.config import Config
 from crawld.task import Task
 from crawld.transports.base import ProgressCallback, PublishReport, Publisher, TopologyError
 from crawld.transports.jetstream.connection import (API_TIMEOUT_S, RETRYABLE, close_quietly, log,
-                                                    open_connection)
+                                                    open_connection, wait_set)
 from crawld.transports.jetstream.topology import MSG_ID_HEADER, ensure_streams, task_subject
 
 
+NO_RESPONDERS = "503"         # the server's status when no stream takes the subject
+
+
 class JetStreamPublisher(Publisher):
-    """``js.publish`` with ``Nats-Msg-Id`` = task id; ``window`` PubAcks in flight at once.
+    """Publishes with ``Nats-Msg-Id`` = task id; ``window`` PubAcks outstanding at once.
 
     A PubAck (duplicate or not) means the stream holds the task: confirmed. Timeouts and
     errors go to ``failed``; the outbox resends them later (the id makes that safe).
@@ -62,44 +67,18 @@ class JetStreamPublisher(Publisher):
         report = PublishReport()
         self.duplicates = 0
         try:
-            js = await self._connect()
+            await self._connect()
         except (*RETRYABLE, TopologyError) as exc:
             reason = f"connect failed: {exc!r}"
             report.failed.update({t.task_id: reason for t in tasks})
             return report
         # Replays need a fresh id, or the duplicate window would swallow them.
         suffix = f":replay:{int(time.time() * 1000)}" if attempt_reset else ""
-        pending = iter(tasks)
-        done = 0
-
-        async def lane() -> None:
-            nonlocal done
-            for task in pending:   # lanes share one iterator: at most `window` in flight
-                await self._publish_one(js, task, task.task_id + suffix, report)
-                done += 1
-                if progress is not None and (done % 200 == 0 or done == len(tasks)):
-                    progress(done, len(tasks))
-
-        await asyncio.gather(*(lane() for _ in range(min(self.window, len(tasks)))))
+        assert self._nc is not None
+        window = AckWindow(self._nc, self.window, self.timeout_s, report, progress, len(tasks))
+        await window.run([(task_subject(self.cfg, t), t, t.task_id + suffix) for t in tasks])
+        self.duplicates = window.duplicates
         return report
-
-    async def _publish_one(self, js: JetStreamContext, task: Task, msg_id: str,
-                           report: PublishReport) -> None:
-        subject = task_subject(self.cfg, task)
-        try:
-            ack = await js.publish(subject, task.to_body(), timeout=self.timeout_s,
-                                   headers={MSG_ID_HEADER: msg_id})
-        except asyncio.TimeoutError:
-            report.failed[task.task_id] = f"no PubAck within {self.timeout_s:g}s"
-        except jse.NoStreamResponseError:
-            report.failed[task.task_id] = f"no stream for subject {subject}"
-        except jse.APIError as exc:
-            report.failed[task.task_id] = f"rejected: {exc.description} (err_code {exc.err_code})"
-        except (nats.errors.Error, OSError) as exc:
-            report.failed[task.task_id] = repr(exc)
-        else:
-            self.duplicates += bool(ack.duplicate)
-            report.confirmed.append(task.task_id)
 
     def close(self) -> None:
         if self._loop.is_closed():
@@ -107,3 +86,96 @@ class JetStreamPublisher(Publisher):
         self._loop.run_until_complete(close_quietly(self._nc))
         self._loop.close()
         self._nc = self._js = None
+
+
+class AckWindow:
+    """Publishes with reply subjects under one inbox and takes the PubAcks back on one
+    subscription, as nats.go's PublishAsync does: no future, task or timer per message
+    (``js.publish`` is a request each), at most ``window`` unanswered at once. A window
+    that hears nothing for ``timeout_s`` gives up: what is unanswered is reported failed
+    (the outbox sends it again; ``Nats-Msg-Id`` makes that safe)."""
+
+    def __init__(self, nc: Client, window: int, timeout_s: float, report: PublishReport,
+                 progress: ProgressCallback | None, total: int) -> None:
+        self.nc = nc
+        self.window = window
+        self.timeout_s = timeout_s
+        self.report = report
+        self.progress = progress
+        self.total = total
+        self.answered = 0
+        self.duplicates = 0
+        self.inbox = nc.new_inbox()
+        self.waiting: dict[str, tuple[str, Task]] = {}      # reply token -> (subject, task)
+        self.heard = asyncio.Event()                         # a PubAck came back
+
+    async def run(self, items: list[tuple[str, Task, str]]) -> None:
+        sub = await self.nc.subscribe(self.inbox + ".*", cb=self._on_reply)
+        try:
+            sent = await self._send_all(items)
+            while self.waiting and await self._hear():
+                pass
+        finally:
+            await _unsubscribe(sub)
+        for _, task in self.waiting.values():
+            self.report.failed[task.task_id] = f"no PubAck within {self.timeout_s:g}s"
+        for _, task, _ in items[sent:]:
+            self.report.failed.setdefault(task.task_id, f"not sent: no PubAck within {self.timeout_s:g}s")
+
+    async def _send_all(self, items: list[tuple[str, Task, str]]) -> int:
+        """Publish in order while the window has room; returns how many were tried."""
+        for i, (subject, task, msg_id) in enumerate(items):
+            while len(self.waiting) >= self.window:
+                if not await self._hear():
+                    return i
+            token = str(i)
+            self.waiting[token] = (subject, task)
+            try:
+                await self.nc.publish(subject, task.to_body(), reply=f"{self.inbox}.{token}",
+                                      headers={MSG_ID_HEADER: msg_id})
+            except (nats.errors.Error, OSError) as exc:
+                self.waiting.pop(token, None)
+                self.report.failed[task.task_id] = repr(exc)
+        return len(items)
+
+    async def _hear(self) -> bool:
+        """Wait for the next PubAck; False after ``timeout_s`` of silence."""
+        self.heard.clear()
+        return await wait_set(self.heard, self.timeout_s)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        entry = self.waiting.pop(msg.subject.rsplit(".", 1)[-1], None)
+        if entry is None:
+            return                  # answered after we gave up on it: reported failed already
+        subject, task = entry
+        error, duplicate = pub_ack_outcome(msg, subject)
+        if error is None:
+            self.report.confirmed.append(task.task_id)
+            self.duplicates += duplicate
+        else:
+            self.report.failed[task.task_id] = error
+        self.answered += 1
+        self.heard.set()
+        if self.progress is not None and (self.answered % 200 == 0 or self.answered == self.total):
+            self.progress(self.answered, self.total)
+
+
+def pub_ack_outcome(msg: Msg, subject: str) -> tuple[str | None, bool]:
+    """(error or None, duplicate) of one PubAck, as ``js.publish`` would judge it."""
+    if msg.headers and msg.headers.get(Header.STATUS.value) == NO_RESPONDERS:
+        return f"no stream for subject {subject}", False
+    try:
+        answer = json.loads(msg.data)
+    except ValueError:
+        return f"unreadable PubAck: {msg.data[:200]!r}", False
+    if "error" in answer:
+        err = answer["error"]
+        return f"rejected: {err.get('description')} (err_code {err.get('err_code')})", False
+    return None, bool(answer.get("duplicate"))
+
+
+async def _unsubscribe(sub: Any) -> None:
+    try:
+        await sub.unsubscribe()
+    except (nats.errors.Error, OSError):   # the connection went with it
+        pass
