@@ -62,7 +62,7 @@ async def retry_with_backoff(cfg: Config, should_stop: Callable[[], bool], what:
 
 async def wait_set(event: asyncio.Event, timeout: float) -> bool:
     """``event.wait()`` with a timeout, without the Task that ``asyncio.wait_for`` wraps
-    around it: the pull, grant and settle loops wait like this once per delivery or more."""
+    around it (the publisher's PubAck window waits like this for every reply it needs)."""
     if event.is_set():
         return True
     try:
