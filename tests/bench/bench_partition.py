@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from benchlib import (CRAWLD, Env, Ratio, Section, Table, amqp_delete_setup, children_of,
                       crawld_publish, crawld_setup, db_count, ratio, run_section,
-                      start_crawld, stop_proc, wait_rows, wait_until, CrawldSetup)
+                      start_crawld, stop_proc, transports_bench_main, wait_rows, wait_until, CrawldSetup)
 
 KEY = "partition"
 COMMAND = "python tests/bench/bench_partition.py"
@@ -287,13 +287,7 @@ def run(env: Env, quick: bool, ctx: dict[str, Section] | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    needs = ("rabbit",) if "amqp" in args.transports else ()
-    with Env(needs) as env:
-        section = run(env, args.quick, args=args)
-    if args.md:
-        Path(args.md).write_text(section.markdown())
-    return 1 if section.error else 0
+    return transports_bench_main(parse_args(argv), run)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from typing import Callable
 from benchlib import (BENCH_DIR, PREFETCH, PY, THREADS, Env, Ratio, Section, Table, amqp_delete, amqp_depth,
                       amqp_delete_setup, amqp_publish_raw, children_of, cpu_seconds, crawld_publish,
                       crawld_setup, db_count, js_stream, js_stream_messages, ratio,
-                      run_section, start_crawld, stop_proc)
+                      run_section, start_crawld, stop_proc, transports_bench_main)
 
 KEY = "plain"
 COMMAND = "python tests/bench/bench_plain.py"
@@ -425,13 +425,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    needs = ("rabbit",) if "amqp" in args.transports else ()
-    with Env(needs) as env:
-        section = run(env, args.quick, args=args)
-    if args.md:
-        Path(args.md).write_text(section.markdown())
-    return 1 if section.error else 0
+    return transports_bench_main(parse_args(argv), run)
 
 
 if __name__ == "__main__":

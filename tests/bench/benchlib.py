@@ -192,6 +192,17 @@ def bench_main(key: str, run: Callable[["Env", bool], Section], needs: Sequence[
     return 1 if section.error else 0
 
 
+def transports_bench_main(args: argparse.Namespace, run: Callable[..., Section]) -> int:
+    """``main()`` of a benchmark with ``--transports`` and ``--md``: RabbitMQ only when AMQP
+    is asked for; ``run(env, quick, args=args)``."""
+    needs = ("rabbit",) if "amqp" in args.transports else ()
+    with Env(needs) as env:
+        section = run(env, args.quick, args=args)
+    if args.md:
+        Path(args.md).write_text(section.markdown())
+    return 1 if section.error else 0
+
+
 # -- environment ---------------------------------------------------------------------------
 class Env:
     """The servers a benchmark run uses; started lazily, stopped on close."""
