@@ -130,6 +130,26 @@ def test_long_ttl_is_capped_by_max_ttl(dns_server) -> None:
     assert dns_server.wait_queries("a.test", before + 2) == before + 2
 
 
+
+def test_guard_answers_a_fresh_name_from_the_cache_without_a_lookup(dns_server) -> None:
+    """Every fetch of a known site would otherwise hand its lookup to a DNS thread."""
+    calls = []
+
+    class Counting(DnsResolver):
+        def __call__(self, host: str) -> list[str]:
+            calls.append(host)
+            return super().__call__(host)
+    resolver = Counting([dns_server.server], max_ttl_s=0.3)
+    guard = NetGuard(resolver=resolver)
+    targets = [guard.check(f"http://a.test/p/{i}") for i in range(3)]
+    assert all(isinstance(t, Target) for t in targets) and len({t.ip for t in targets}) == 1
+    assert calls == ["a.test"]
+    time.sleep(0.4)                                        # past the 0.3 s cap
+    assert resolver.cached("a.test") is None
+    assert isinstance(guard.check("http://a.test/"), Target)
+    assert calls == ["a.test", "a.test"]
+    guard.close()
+
 # ----------------------------------------------------------------------------- failures
 @pytest.mark.parametrize("which", ["silent", "closed"])
 def test_unreachable_dns_server_is_a_transient_dns_error(silent_server, which: str, net, tmp_path) -> None:

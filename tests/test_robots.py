@@ -9,7 +9,9 @@ import pytest
 
 from crawld.config import FetchConfig
 from crawld.fetch import Fetcher
-from crawld.fetch.robots import MAX_ROBOTS_BYTES, RobotsCache, user_agent_token
+from protego import Protego
+
+from crawld.fetch.robots import MAX_ROBOTS_BYTES, RobotsCache, allows_all, user_agent_token
 
 try:
     from fetch_servers import (LocalServer, forbid_external_network, page, redirect, robots,
@@ -271,3 +273,23 @@ def test_waiter_gives_up_at_its_deadline() -> None:
     finally:
         release.set()
         first.join()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("User-agent: *\nAllow: /\n", True),
+    ("User-agent: *\nDisallow:\n", True),
+    ("", True),
+    ("User-agent: otherbot\nDisallow: /\n", True),            # no group applies to crawld
+    ("User-agent: *\nDisallow: /private/\n", False),
+    ("User-agent: *\nAllow: /\nUser-agent: crawld\nDisallow: /x\n", False),
+    ("User-agent: *\nDisallow: /*.pdf$\n", False),
+])
+def test_allows_all_is_only_claimed_when_no_rule_disallows(text: str, expected: bool) -> None:
+    """The shortcut that skips matching each URL must agree with Protego on every URL."""
+    parser = Protego.parse(text)
+    assert allows_all(parser, "crawld") is expected
+    urls = ["http://a.test/", "http://a.test/private/x", "http://a.test/x", "http://a.test/f.pdf"]
+    if expected:
+        assert all(parser.can_fetch(url, "crawld") for url in urls)
+    else:
+        assert not all(parser.can_fetch(url, "crawld") for url in urls)

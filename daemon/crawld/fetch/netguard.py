@@ -20,6 +20,7 @@ sibling cannot be reached, and refusing the whole name would break ``localhost``
 """
 from __future__ import annotations
 
+import functools
 import ipaddress
 import threading
 import time
@@ -97,6 +98,13 @@ def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def _literal_answer(host: str) -> tuple[str] | None:
+    """The answer for a host that is an IP literal (str() of an address is not free)."""
+    literal = literal_ip(host)
+    return (str(literal),) if literal is not None else None
+
+
 # --------------------------------------------------------------------------- the guard
 class NetGuard:
     """Checks URLs and pins them to an address. Thread-safe; one per Fetcher.
@@ -110,6 +118,9 @@ class NetGuard:
                  dns_timeout_s: float = 10.0, dns_threads: int = 8) -> None:
         self.allowed = [ipaddress.ip_network(c, strict=False) for c in allow_networks]
         self._resolver = resolver or DnsResolver(timeout_s=dns_timeout_s)
+        # A resolver that can answer from its cache without blocking spares each fetch of a
+        # known site the hand-off to a lookup thread.
+        self._cached = getattr(self._resolver, "cached", None)
         self.dns_timeout_s = dns_timeout_s
         self._dns_threads = dns_threads
         self._executor: ThreadPoolExecutor | None = None
@@ -171,9 +182,12 @@ class NetGuard:
 
     def resolve(self, host: str, deadline: float | None = None) -> list[str] | Refusal:
         """Addresses for ``host``: a literal as is, else one lookup bounded by the deadline."""
-        literal = literal_ip(host)
+        literal = _literal_answer(host)
         if literal is not None:
-            return [str(literal)]
+            return list(literal)
+        cached = self._cached(host) if self._cached is not None else None
+        if cached:
+            return list(cached)
         now = time.monotonic()
         timeout = self.dns_timeout_s if deadline is None else min(self.dns_timeout_s, deadline - now)
         return self._lookup(host, max(0.0, timeout))

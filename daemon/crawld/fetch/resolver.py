@@ -127,15 +127,35 @@ class DnsResolver:
         self.hosts = hosts if hosts is not None else HostsFile()
         self._dns = _make_dns_resolver(servers)
         self._dns.cache = _CappedLRUCache(cache_size, max_ttl_s) if max_ttl_s > 0 else None
+        self.max_ttl_s = max_ttl_s
+        self.cache_size = cache_size
+        # host -> (addresses, monotonic expiry): the answers dnspython's cache holds, found
+        # without a lookup thread or a query object (cached() is asked on every fetch).
+        self._fresh: dict[str, tuple[list[str], float]] = {}
 
     def __call__(self, host: str) -> list[str]:
         if host in self.hosts:
             return system_resolver(host)
         return self._query(host)
 
+    def cached(self, host: str) -> list[str] | None:
+        """The DNS answer for ``host`` while its TTL runs, else None (no I/O, no wait)."""
+        hit = self._fresh.get(host)
+        if hit is None or hit[1] <= time.monotonic():
+            return None
+        return None if host in self.hosts else hit[0]
+
+    def _remember(self, host: str, addresses: list[str], ttl_s: float) -> None:
+        if self.max_ttl_s <= 0 or ttl_s <= 0 or not addresses:
+            return
+        if len(self._fresh) >= self.cache_size:
+            self._fresh.clear()
+        self._fresh[host] = (addresses, time.monotonic() + min(ttl_s, self.max_ttl_s))
+
     def _query(self, host: str) -> list[str]:
         expires = time.monotonic() + self.timeout_s
         addresses: list[str] = []
+        ttl_s = self.max_ttl_s
         # IPv4 first: what getaddrinfo prefers on hosts without a global IPv6 route; the
         # guard checks every address anyway and connects only to the first acceptable one.
         for rdtype in ("A", "AAAA"):
@@ -149,7 +169,10 @@ class DnsResolver:
             except dns.exception.DNSException as exc:
                 raise ResolveError(str(exc) or type(exc).__name__) from None
             addresses.extend(str(rdata.address) for rdata in answer)  # type: ignore[attr-defined]
-        return list(dict.fromkeys(addresses))
+            ttl_s = min(ttl_s, answer.expiration - time.time())
+        unique = list(dict.fromkeys(addresses))
+        self._remember(host, unique, ttl_s)
+        return unique
 
 
 def _make_dns_resolver(servers: Sequence[str]) -> dns.resolver.Resolver:

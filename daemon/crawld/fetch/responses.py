@@ -97,7 +97,10 @@ class Hop:
 def capture_hop(resp: Any, url: str, ip: str, request_headers: dict[str, str]) -> Hop:
     """The exchange of ``resp``; headers in wire order from http.client when available."""
     raw = getattr(resp, "_original_response", None)
-    headers = list(raw.msg.items()) if raw is not None else list(resp.headers.items())
+    # http.client decodes header bytes as latin-1, so Message.items() would only copy
+    # _headers through its policy's per-header surrogate check: read the list itself.
+    wire = getattr(raw.msg, "_headers", None) if raw is not None else None
+    headers = list(wire) if isinstance(wire, list) else list(resp.headers.items())
     version = resp.version or 11
     return Hop(url, list(request_headers.items()), resp.status, resp.reason or "",
                f"HTTP/{version // 10}.{version % 10}", headers, ip, time.time())

@@ -60,6 +60,8 @@ class _Entry:
     unreachable: bool
     detail: str
     reason: str = Reason.ROBOTS_UNAVAILABLE
+    crawl_delay_s: float | None = None     # from the parser, worked out once per fetch of it
+    allows_all: bool = False                # no rule for us disallows anything: skip can_fetch
 
 
 def user_agent_token(user_agent: str) -> str:
@@ -99,10 +101,10 @@ class RobotsCache:
             return RobotsVerdict(False, True, detail=entry.detail, reason=entry.reason)
         if entry.parser is None:
             return RobotsVerdict(True, detail=entry.detail)
-        allowed = entry.parser.can_fetch(url, self.token)
+        allowed = entry.allows_all or entry.parser.can_fetch(url, self.token)
         if not allowed:
             self.stats.inc("robotstxt/forbidden")
-        return RobotsVerdict(allowed, crawl_delay_s=self._delay(entry.parser))
+        return RobotsVerdict(allowed, crawl_delay_s=entry.crawl_delay_s)
 
     def forget_unreachable(self) -> int:
         """Drop the cached "unreachable" answers (how many): after an outage of this host's
@@ -118,7 +120,7 @@ class RobotsCache:
         """The cached Crawl-delay of ``origin`` (no fetch)."""
         with self._lock:
             entry = self._entries.get(origin)
-        return self._delay(entry.parser) if entry and entry.parser else None
+        return entry.crawl_delay_s if entry else None
 
     # -- cache -------------------------------------------------------------------------
     def _entry(self, origin: str, deadline: float) -> _Entry | None:
@@ -137,6 +139,9 @@ class RobotsCache:
                 return None
         try:
             entry = self._load(origin, deadline)
+            if entry.parser is not None:
+                entry.crawl_delay_s = self._delay(entry.parser)
+                entry.allows_all = allows_all(entry.parser, self.token)
             with self._lock:
                 self._entries[origin] = entry
                 self._entries.move_to_end(origin)
@@ -188,6 +193,17 @@ class RobotsCache:
             delays.append(rate.seconds / rate.requests)
         known = [float(d) for d in delays if d]
         return min(max(known), self.max_crawl_delay_s) if known else None
+
+
+def allows_all(parser: Protego, token: str) -> bool:
+    """True if no rule of the group that applies to ``token`` disallows anything (most
+    sites' robots.txt for most crawlers): every check is then "allowed" without quoting
+    and matching each URL. Reads Protego's parsed groups; False if their shape changes."""
+    try:
+        rules = parser._get_matching_rule_set(token)
+        return rules is None or not any(rule.field == "disallow" for rule in rules._rules)
+    except AttributeError:
+        return False
 
 
 def _parse(body: bytes) -> Protego:

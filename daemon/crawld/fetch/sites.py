@@ -168,6 +168,10 @@ class SiteLimiter:
     def record(self, host: str, unreachable: bool) -> float:
         """One answer (or none) from ``host``. A run of FAILURE_RUN unreachable answers
         pauses the site like a 429 does; any answer ends the run. Returns the new pause."""
+        if not unreachable:
+            site = self._sites.get(host)
+            if site is not None and not site.failures and not site.unreachable:
+                return 0.0      # the common answer changes nothing: no lock, no clock
         now = time.monotonic()
         with self._cv:
             site = self._site(host, now)

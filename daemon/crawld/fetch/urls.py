@@ -41,17 +41,20 @@ class URLParts:
 # name, no userinfo, only characters that need no quoting (tests/test_netguard.py checks the
 # claim against w3lib on generated URLs). Most crawl URLs are this, and skip w3lib's cost.
 _SAFE = r"-A-Za-z0-9._~!$&()*+,;=:@%/"     # and "'", in the path only (w3lib quotes it after "?")
-_ALREADY_SAFE = re.compile(rf"https?://[a-z0-9.-]+(?::[0-9]{{1,5}})?(?:/[{_SAFE}']*)?"
-                           rf"(?:\?[{_SAFE}?]*)?(?:#[{_SAFE}?]*)?")
+_ALREADY_SAFE = re.compile(rf"(?P<scheme>https?)://(?P<host>[a-z0-9.-]+)(?::(?P<port>[0-9]{{1,5}}))?"
+                           rf"(?P<path>/[{_SAFE}']*)?(?:\?(?P<query>[{_SAFE}?]*))?(?:#[{_SAFE}?]*)?")
 
 
 @functools.lru_cache(maxsize=4096)
 def parse_url(url: str) -> URLParts:
     """Split and normalise a URL (IRI -> URI, IDNA host); raises BadURL.
     Cached: the handler, the guard and robots each ask for the same URL of a task."""
+    safe = _ALREADY_SAFE.fullmatch(url)
+    if safe is not None:
+        return _parse_safe(safe)
     try:
-        safe = url if _ALREADY_SAFE.fullmatch(url) else safe_url_string(url.strip())
-        parts = urlsplit(safe)
+        quoted = safe_url_string(url.strip())
+        parts = urlsplit(quoted)
         port = parts.port
     except (ValueError, UnicodeError) as exc:
         raise BadURL(str(exc)) from None
@@ -59,13 +62,29 @@ def parse_url(url: str) -> URLParts:
     if not scheme:
         raise BadURL("no scheme")
     if scheme not in DEFAULT_PORTS:     # kept as given: it will only be refused
-        return URLParts(safe, scheme, parts.hostname or "", port or 0, parts.path, None, None)
-    host = (parts.hostname or "").rstrip(".")
+        return URLParts(quoted, scheme, parts.hostname or "", port or 0, parts.path, None, None)
+    return _normalised(scheme, parts.hostname or "", port, parts.path, parts.query,
+                       parts.username, parts.password)
+
+
+def _parse_safe(match: re.Match) -> URLParts:
+    """What urlsplit would make of a URL the fast-path pattern matched, read off its groups
+    (urlsplit and its properties cost more than the rest of the check)."""
+    port = match["port"]
+    if port is not None and int(port) > 65535:
+        raise BadURL("Port out of range 0-65535")
+    return _normalised(match["scheme"], match["host"], int(port) if port else None,
+                       match["path"] or "", match["query"] or "", None, None)
+
+
+def _normalised(scheme: str, host: str, port: int | None, path: str, query: str,
+                username: str | None, password: str | None) -> URLParts:
+    host = host.rstrip(".")
     _validate_host(host)
     port = port or DEFAULT_PORTS[scheme]
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    path = (path or "/") + (f"?{query}" if query else "")
     clean = f"{scheme}://{netloc(scheme, host, port)}{path}"
-    return URLParts(clean, scheme, host, port, path, parts.username, parts.password)
+    return URLParts(clean, scheme, host, port, path, username, password)
 
 
 def netloc(scheme: str, host: str, port: int) -> str:
