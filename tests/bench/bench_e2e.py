@@ -19,13 +19,15 @@ must not serialise one local host), robots obeyed (cached), fresh store per run.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from benchlib import (THREADS, children_of, cpu_seconds, Env, Ratio, Section, Table, amqp_delete, amqp_delete_setup, amqp_publish_raw,
-                      bench_main, crawld_publish, crawld_setup, db_count, raw_client, ratio,
-                      run_parallel, run_section, start_crawld, stop_proc, url_bodies, wait_rows)
+from benchlib import (THREADS, ChildSampler, CrawldSetup, Env, Ratio, Section, Table, amqp_delete,
+                      amqp_delete_setup, amqp_publish_raw, bench_main, children_of, cpu_seconds,
+                      crawld_publish, crawld_setup, db_count, raw_client, ratio, run_parallel,
+                      run_section, start_crawld, stop_proc, url_bodies, wait_rows)
 
 KEY = "e2e"
 COMMAND = "python tests/bench/bench_e2e.py"
@@ -33,17 +35,26 @@ COMMAND = "python tests/bench/bench_e2e.py"
 
 def crawld_e2e(env: Env, transport: str, workers: int, n: int, tag: str = "e2e",
                page: str = "fast", timeout: float | None = None, extra_env: dict[str, str] | None = None,
+               urls_of: Callable[[CrawldSetup], Sequence[str]] | None = None, sample: bool = False,
                **setup_kw: Any) -> dict[str, Any]:
-    """Publish n URLs of ``/<page>/<queue>/<i>`` with crawld publish, then time crawld run."""
+    """Publish n URLs of ``/<page>/<queue>/<i>`` with crawld publish, then time crawld run.
+
+    ``urls_of(setup)`` replaces those URLs (n is then its length); ``sample`` adds a
+    ChildSampler of the workers (RSS peaks, CPU over the steady window) as "sampler"."""
     nats = env.new_nats() if transport == "jetstream" else None
     setup = crawld_setup(env, tag, transport=transport, broker_url=nats.url if nats else None,
                          workers=workers, **setup_kw)
     try:
-        urls = [f"{env.site}/{page}/{setup.queue}/{i}" for i in range(n)]
+        urls = list(urls_of(setup)) if urls_of else [f"{env.site}/{page}/{setup.queue}/{i}" for i in range(n)]
+        n = len(urls)
         published = crawld_publish(setup, urls)
         started = time.perf_counter()
         proc = start_crawld(env, setup, workers, extra_env=extra_env)
-        progress = wait_rows(setup.db, n, started, timeout=timeout or 60 + n / 40, proc=proc)
+        sampler = ChildSampler(proc.pid) if sample else None
+        with sampler or contextlib.nullcontext():
+            progress = wait_rows(setup.db, n, started, timeout=timeout or 60 + n / 40, proc=proc)
+        if sampler is not None:
+            sampler.sample()        # the workers' last CPU and VmHWM, before they exit
         worker_cpu = sum(cpu_seconds(pid) for pid in children_of(proc.pid))
         stop_started = time.perf_counter()
         code = stop_proc(proc, timeout=90)
@@ -53,7 +64,7 @@ def crawld_e2e(env: Env, transport: str, workers: int, n: int, tag: str = "e2e",
         redelivered = db_count(setup.db, "results", "attempts > 1")
         return {"setup": setup, "progress": progress, "publish": published, "exit": code,
                 "stop_s": stop_s, "dead": dead, "duplicates": duplicates, "redelivered": redelivered,
-                "cpu_us_per_task": 1e6 * worker_cpu / max(1, progress.final)}
+                "cpu_us_per_task": 1e6 * worker_cpu / max(1, progress.final), "sampler": sampler}
     finally:
         if nats is not None:
             env.drop_nats(nats)

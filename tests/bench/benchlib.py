@@ -21,6 +21,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ class Ratio:
     target: str = ""              # e.g. ">= 0.8x"; empty: reported only
     target_value: float | None = None
     higher_is_better: bool = True
+    unit: str = ""                # e.g. "MiB": printed after the value instead of "x"
 
     @property
     def met(self) -> bool | None:
@@ -96,6 +98,8 @@ class Ratio:
         value = "n/a" if self.value is None else f"{self.value:.2f}x"
         if self.label.endswith("efficiency") or "%" in self.target:
             value = "n/a" if self.value is None else f"{self.value:.2f}"
+        if self.unit:
+            value = "n/a" if self.value is None else f"{self.value:.2f} {self.unit}"
         verdict = {True: "  [target met]", False: "  [below target]", None: ""}[self.met]
         target = f"  (target {self.target})" if self.target else ""
         return f"{self.label} = {value}{target}{verdict}"
@@ -213,6 +217,7 @@ class Env:
         self._nats: list[NatsServer] = []
         self._site: subprocess.Popen | None = None
         self.site_url = ""
+        self._wide: dict[int, WideSite] = {}
         self.procs: list[subprocess.Popen] = []
         self._nginx: dict[tuple[int, int], Any] = {}
         self._counter = 0
@@ -276,6 +281,20 @@ class Env:
             self.site_url = f"http://127.0.0.1:{int(line)}"
         return self.site_url
 
+    def wide_site(self, hosts: int) -> "WideSite":
+        """A benchsite.py listening on one port of ``hosts`` loopback addresses (127.0.0.1 ..,
+        see benchsite.loopback_host): ``hosts`` sites for politeness and partitioning.
+        Started on first use, shared by callers asking for the same count, killed at close."""
+        if hosts not in self._wide:
+            proc = subprocess.Popen([PY, str(BENCH_DIR / "benchsite.py"), "--hosts", str(hosts)],
+                                    stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+            self.procs.append(proc)
+            line = proc.stdout.readline() if proc.stdout else ""
+            if not line.strip().isdigit():
+                raise RuntimeError(f"benchsite.py --hosts {hosts} did not start")
+            self._wide[hosts] = WideSite(int(line), hosts, proc)
+        return self._wide[hosts]
+
     def nginx(self, pages: int, sites: int = 1) -> Any:
         """A private Debian nginx (nginx_site.NginxSite) serving ``/p/N`` for N < pages on
         127.0.0.1..127.0.0.<sites>, one port; shared by callers asking for the same shape."""
@@ -330,6 +349,24 @@ class Env:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+@dataclass
+class WideSite:
+    """benchsite.py on many loopback addresses, one port (Env.wide_site)."""
+    port: int
+    hosts: int
+    proc: subprocess.Popen
+
+    def base(self, k: int) -> str:
+        """``http://<address of site k>:PORT``, k = 1..hosts."""
+        from benchsite import loopback_host
+        if not 1 <= k <= self.hosts:
+            raise ValueError(f"site {k} outside 1..{self.hosts}")
+        return f"http://{loopback_host(k)}:{self.port}"
+
+    def url(self, k: int, path: str) -> str:
+        return f"{self.base(k)}/{path.lstrip('/')}"
+
+
 # -- processes -----------------------------------------------------------------------------
 def descendants(pid: int) -> list[int]:
     found, frontier = [], [pid]
@@ -361,6 +398,69 @@ def rss_kib(pid: int) -> dict[str, int]:
             if key in ("VmRSS", "VmHWM"):
                 out[key] = int(value.split()[0])
     return out
+
+
+class ChildSampler:
+    """Samples the children of ``pid`` (a supervisor's workers) every ``interval`` s on a
+    thread: VmRSS, VmHWM and user+system CPU per child pid, with the time of the sample,
+    so a caller can take peaks and the CPU spent inside any window of the run."""
+
+    def __init__(self, pid: int, interval: float = 0.25) -> None:
+        self.pid = pid
+        self.interval = interval
+        self.samples: list[tuple[float, dict[int, tuple[int, int, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="child-sampler", daemon=True)
+
+    def __enter__(self) -> "ChildSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def sample(self) -> None:
+        """One sample now (also called by the owner right before it stops the processes)."""
+        now = time.perf_counter()
+        row = {}
+        for child in children_of(self.pid):
+            mem = rss_kib(child)
+            if mem:
+                row[child] = (mem.get("VmRSS", 0), mem.get("VmHWM", 0), cpu_seconds(child))
+        self.samples.append((now, row))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def peak_kib(self) -> dict[int, dict[str, int]]:
+        """Per child: the largest VmRSS seen and its last VmHWM (the kernel's own peak)."""
+        out: dict[int, dict[str, int]] = {}
+        for _, row in self.samples:
+            for pid, (rss, hwm, _) in row.items():
+                seen = out.setdefault(pid, {"VmRSS": 0, "VmHWM": 0})
+                seen["VmRSS"] = max(seen["VmRSS"], rss)
+                seen["VmHWM"] = max(seen["VmHWM"], hwm)
+        return out
+
+    def cores_since(self, t0: float) -> dict[int, float]:
+        """Per child: CPU cores used from the last sample at or before ``t0`` (the first
+        sample if none) to the last sample. Both ends are sample times, so CPU and seconds
+        cover the same window; a child that started later counts from zero."""
+        if not self.samples:
+            return {}
+        before = [s for s in self.samples if s[0] <= t0] or self.samples[:1]
+        (start, first), (end, last) = before[-1], self.samples[-1]
+        if end <= start:
+            return {}
+        return {pid: (cpu - first.get(pid, (0, 0, 0.0))[2]) / (end - start)
+                for pid, (_, _, cpu) in last.items()}
 
 
 def stop_proc(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:

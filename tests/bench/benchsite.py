@@ -1,6 +1,7 @@
 """Zero-latency HTTP/1.1 keep-alive site for the benchmarks (asyncio, one process, stdlib only).
 
-    python tests/bench/benchsite.py          # prints the port it listens on, serves until killed
+    python tests/bench/benchsite.py [PORT]               # prints the port it listens on, serves until killed
+    python tests/bench/benchsite.py [PORT] --hosts 500   # the same port on 500 loopback addresses
 
 Runs in a child process of the benchmark so it never shares a GIL with the code under
 test. The routes mirror crawld.testsite (same URL shapes), but every answer is written
@@ -18,10 +19,17 @@ faster than any client it is compared against:
                                    fanout*i+1.., home, parent, a 40-link menu, off-site links
 ``/stats``                         JSON: total requests, requests in flight, peak in flight
 =================================  ===============================================
+
+``--hosts N`` (1..500) listens on one port of N loopback addresses, ``loopback_host(k)``
+for k = 1..N: 127.0.0.1 .. 127.0.0.250, then 127.0.1.1 .. 127.0.1.250 (Linux routes all
+of 127/8 to lo). crawld keys politeness and partitioning on the host name without the
+port, so each address is a separate site. Only loopback addresses are ever bound.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import ipaddress
 import json
 import sys
 
@@ -29,6 +37,9 @@ ROBOTS = b"User-agent: *\nDisallow: /private/\n"
 MAX_SLEEP_S = 120.0
 HITS: dict[str, int] = {}
 COUNTERS = {"requests": 0, "in_flight": 0, "peak": 0}
+HOSTS_PER_BLOCK = 250           # 127.0.B.1 .. 127.0.B.250 (.0 and .255 left out)
+MAX_HOSTS = 2 * HOSTS_PER_BLOCK
+BIND_ATTEMPTS = 5
 
 
 def page(status: int, path: str) -> tuple[int, bytes, str]:
@@ -131,10 +142,56 @@ class Conn(asyncio.Protocol):
             COUNTERS["in_flight"] -= 1
 
 
+def loopback_host(k: int) -> str:
+    """Address of site k (1-based): 127.0.0.k for k <= 250, then 127.0.1.(k - 250)."""
+    if not 1 <= k <= MAX_HOSTS:
+        raise ValueError(f"site {k} outside 1..{MAX_HOSTS}")
+    block, offset = divmod(k - 1, HOSTS_PER_BLOCK)
+    return f"127.0.{block}.{offset + 1}"
+
+
+def loopback_hosts(n: int) -> list[str]:
+    hosts = [loopback_host(k) for k in range(1, n + 1)]
+    # A hard rule: this test server must never listen beyond the loopback interface.
+    assert all(ipaddress.ip_address(h).is_loopback for h in hosts)
+    return hosts
+
+
+async def serve_many(hosts: list[str], port: int) -> int:
+    """Listen on ``port`` of every host; with port 0, one port free on all of them (a port
+    free on 127.0.0.1 may be taken on another address, so a clash picks a new one)."""
+    loop = asyncio.get_running_loop()
+    for _ in range(BIND_ATTEMPTS):
+        first = await loop.create_server(Conn, hosts[0], port, backlog=1024)
+        chosen = first.sockets[0].getsockname()[1]
+        try:
+            if hosts[1:]:
+                await loop.create_server(Conn, hosts[1:], chosen, backlog=1024)
+            return chosen
+        except OSError:
+            first.close()
+            if port:
+                raise
+    raise OSError(f"no port free on all {len(hosts)} loopback addresses")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="benchmark HTTP site on loopback")
+    parser.add_argument("port", nargs="?", type=int, default=0)
+    parser.add_argument("--hosts", type=int, default=0,
+                        help=f"listen on 1..{MAX_HOSTS} loopback addresses (127.0.0.1 .. 127.0.1.250)")
+    return parser.parse_args(argv)
+
+
 async def main() -> None:
-    port = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-    server = await asyncio.get_running_loop().create_server(Conn, "127.0.0.1", port, backlog=1024)
-    print(server.sockets[0].getsockname()[1], flush=True)
+    args = parse_args(sys.argv[1:])
+    if args.hosts:
+        if not 1 <= args.hosts <= MAX_HOSTS:
+            raise SystemExit(f"--hosts must be 1..{MAX_HOSTS}")
+        print(await serve_many(loopback_hosts(args.hosts), args.port), flush=True)
+    else:
+        server = await asyncio.get_running_loop().create_server(Conn, "127.0.0.1", args.port, backlog=1024)
+        print(server.sockets[0].getsockname()[1], flush=True)
     await asyncio.Event().wait()
 
 
