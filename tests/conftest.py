@@ -47,6 +47,16 @@ def nats() -> Iterator[NatsServer]:
         server.close()
 
 
+@pytest.fixture
+def js_server() -> Iterator[NatsServer]:
+    """A nats-server of the test's own: JetStream state (streams, durables, leases) that a
+    test breaks or restarts must not leak into the next test."""
+    server = NatsServer()
+    server.start()
+    yield server
+    server.close()
+
+
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
     server = PostgresServer()

@@ -8,22 +8,13 @@ import uuid
 import nats as natspy
 import pytest
 from crawld_proc import Crawld, run_always_500_against_300_good
-from harness import NatsServer, run_async, wait_until
+from harness import run_async, wait_until
 
 from crawld.transports.jetstream import DEAD_STREAM
 
 
 def _key() -> str:
     return uuid.uuid4().hex[:8]
-
-
-@pytest.fixture
-def js_server():
-    server = NatsServer()
-    server.start()
-    yield server
-    server.close()
-
 
 
 @pytest.fixture

@@ -46,14 +46,6 @@ def _log(msg: str) -> None:
 
 
 @pytest.fixture
-def js_server() -> Iterator[NatsServer]:
-    server = NatsServer()
-    server.start()
-    yield server
-    server.close()
-
-
-@pytest.fixture
 def sites() -> Iterator[list[TestSite]]:
     """Four sites on four loopback addresses: four partition keys (hosts)."""
     with contextlib.ExitStack() as stack:

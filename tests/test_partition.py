@@ -12,7 +12,7 @@ import pytest
 from crawld.config import load_config
 from crawld.fetch.politeness import PolitenessTimeout
 from crawld.fetch.sites import FAILURE_RUN, SiteLimiter
-from crawld.fleet.partition import partition_key, registrable_domain, shard_label, shard_of
+from crawld.fleet.partition import partition_key, registrable_domain, shard_label, shard_of, shard_window
 from crawld.transports.amqp.shards import ACTIVE_WINDOW_S, SETTLE_S, STEP_BACK_EVERY_S, Shards
 from crawld.transports.base import Delivery
 
@@ -231,3 +231,19 @@ def test_a_worker_at_its_share_steps_back_from_busy_shards_it_does_not_own():
         shards.hold(queue, _delivery(queue), lambda shard: None)
     assert shards.step_backs(consumers=2, waiting=others) == []
     assert shards.step_backs(consumers=1, waiting=others) == []
+
+
+@pytest.mark.parametrize("prefetch, threads, workers, per_host, expected", [
+    (16, 16, 2, 2, 4),        # the defaults: 2 x per_host_concurrency, as before
+    (256, 256, 2, 2, 16),     # 32 shards each: 2 x 256 / 32, not 4 (half the threads idle)
+    (256, 256, 1, 2, 8),
+    (8, 256, 2, 2, 4),        # the worker's prefetch bounds its hand
+    (2, 16, 2, 8, 2),         # never above queue.prefetch
+    (16, 16, 0, 1, 2),        # scaled to zero workers: still a valid window
+])
+def test_shard_window_fills_the_threads_of_a_fair_share(prefetch: int, threads: int, workers: int,
+                                                        per_host: int, expected: int) -> None:
+    from crawld.config import Config, FetchConfig, QueueConfig, WorkersConfig
+    cfg = Config(queue=QueueConfig(prefetch=prefetch, shards=64), fetch=FetchConfig(per_host_concurrency=per_host),
+                 workers=WorkersConfig(threads=threads, count=workers))
+    assert shard_window(cfg) == expected

@@ -8,11 +8,9 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 import uuid
-from typing import Iterator
 
-import pytest
 from crawld_proc import Crawld
-from harness import NatsServer, free_port, wait_until
+from harness import free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 WORKERS = 2
@@ -37,14 +35,6 @@ def serving(port: int) -> bool:
         return "crawld_reconnects_total" in scrape(port)
     except (urllib.error.URLError, OSError):
         return False
-
-
-@pytest.fixture
-def js_server() -> Iterator[NatsServer]:
-    server = NatsServer()
-    server.start()
-    yield server
-    server.close()
 
 
 def start_with_metrics(daemon: Crawld, port: int) -> None:

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from crawld.config import Config
 
 PARTITION_MODES = ("host", "domain", "none")
 
@@ -65,3 +70,20 @@ def shard_of(url: str, mode: str, shards: int) -> int | None:
 def shard_label(shard: int, shards: int) -> str:
     """Zero-padded, so names sort: ``07`` of 64, ``007`` of 512."""
     return f"{shard:0{len(str(max(1, shards - 1)))}d}"
+
+
+def shard_window(cfg: "Config") -> int:
+    """How many of one shard's tasks a worker holds at once (AMQP: the shard consumer's
+    prefetch; JetStream: the cap on what its pulls bring in).
+
+    Small enough that one site's shard cannot fill the worker with tasks that would only
+    wait for that site's politeness slots: at least 2 x per_host_concurrency, no more than
+    needed. Big enough that a worker holding its fair share of the shards (shards / this
+    host's workers) fills its threads although shards get unequal numbers of sites
+    (hashing): twice its window over that share. 500 sites on 2 x 256 threads: 16, where
+    2 x per_host_concurrency alone (4) left half the threads idle.
+    """
+    hand = min(cfg.queue.prefetch, cfg.workers.threads)
+    fair_share = math.ceil(cfg.queue.shards / max(1, cfg.workers.count))
+    spread = math.ceil(2 * hand / fair_share)
+    return max(1, min(cfg.queue.prefetch, max(2 * cfg.fetch.per_host_concurrency, spread)))

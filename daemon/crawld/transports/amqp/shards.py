@@ -28,6 +28,7 @@ import time
 from typing import Callable
 
 from crawld.config import Config
+from crawld.fleet.partition import shard_window
 from crawld.transports.amqp.topology import shard_queue_names
 from crawld.transports.base import Delivery
 
@@ -43,7 +44,7 @@ class Shards:
         self.queues = shard_queue_names(cfg)
         self._index = {queue: i for i, queue in enumerate(self.queues)}
         # Per-shard window: one site's shard never fills the worker's whole prefetch.
-        self.prefetch = max(1, min(cfg.queue.prefetch, 2 * cfg.fetch.per_host_concurrency))
+        self.prefetch = shard_window(cfg)
         self.releasing: dict[str, list[Delivery]] = {}
         self._idle_since: dict[str, float] = {}
         self._last_seen: dict[str, float] = {}

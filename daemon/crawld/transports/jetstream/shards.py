@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Callable
 
 import nats.errors
@@ -30,7 +30,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 
 from crawld.config import Config
-from crawld.fleet.partition import shard_of
+from crawld.fleet.partition import shard_of, shard_window
 from crawld.task import MalformedMessage, Task, parse_message
 from crawld.transports.jetstream.connection import API_TIMEOUT_S, log
 from crawld.transports.jetstream.leases import RENEW_EVERY_S, Plan, ShardLeases, open_bucket
@@ -143,7 +143,8 @@ class ShardMixin:
     def _allocate(self) -> None:
         """Grant the worker's free slots to waiting shard pulls, so all requests in flight
         together never bring more than it can start. Busy shards (the server said more
-        are pending) first, longest-waiting first, up to what they have pending; then
+        are pending) first, longest-waiting first, up to what they have pending and to
+        their window (fleet.partition.shard_window) less what they hold here; then
         drained shards probe with one slot each, round robin, with a short expiry when
         many share few slots (each is probed about once a second)."""
         shards = [p for p in self._pulls.values() if p.shard is not None and not p.stopping]
@@ -153,11 +154,17 @@ class ShardMixin:
             return
         now = time.monotonic()
         busy = sorted((p for p in waiting if p.pending), key=lambda p: p.turn)
+        in_hand = self._in_hand_by_shard() if busy else {}
+        window = shard_window(self.cfg)
         for pull in busy:
             if free <= 0:
                 return                 # drained shards wait while busy ones want slots
-            self._grant(pull, min(free, pull.pending, MAX_FETCH_BATCH), FETCH_EXPIRY_S, now)
-            free -= pull.reserved
+            # No shard beyond its window: a big pull of one shard would bring many pages
+            # of its few sites, which only wait for their politeness slots, on threads.
+            room = window - in_hand.get(pull.shard, 0)
+            if room > 0:
+                self._grant(pull, min(free, pull.pending, MAX_FETCH_BATCH, room), FETCH_EXPIRY_S, now)
+                free -= pull.reserved
         # Busy shards with a fetch in flight still have messages beyond it: keep their
         # slots for them, or probes of empty shards would slow their ramp-up.
         free -= sum(max(0, p.pending - p.reserved) for p in shards if p.pending and not p.waiting)
@@ -190,6 +197,12 @@ class ShardMixin:
             return True
         pull = self._pulls.get(shard_consumer_name(self.cfg, shard))
         return pull is not None and not pull.stopping and self._leases.valid(shard)
+
+    def _in_hand_by_shard(self) -> Counter[int | None]:
+        """Deliveries of each shard not settled yet, and pulled ones not handed out."""
+        shards = self.cfg.queue.shards
+        return Counter(shard_of_subject(subject, shards) for subject in
+                       [h.msg.subject for h in self._held.values()] + [m.subject for m in self._backlog])
 
     def _inflight_of(self, shard: int) -> int:
         return sum(1 for h in self._held.values()
