@@ -154,14 +154,16 @@ class ShardMixin:
             return
         now = time.monotonic()
         busy = sorted((p for p in waiting if p.pending), key=lambda p: p.turn)
-        in_hand = self._in_hand_by_shard() if busy else {}
         window = shard_window(self.cfg)
+        # Counted only when the window is below the worker's own hand (else it never binds).
+        binds = window < min(self.cfg.queue.prefetch, self.cfg.workers.threads)
+        in_hand = self._in_hand_by_shard() if busy and binds else {}
         for pull in busy:
             if free <= 0:
                 return                 # drained shards wait while busy ones want slots
             # No shard beyond its window: a big pull of one shard would bring many pages
             # of its few sites, which only wait for their politeness slots, on threads.
-            room = window - in_hand.get(pull.shard, 0)
+            room = window - in_hand.get(pull.shard, 0) if binds else free
             if room > 0:
                 self._grant(pull, min(free, pull.pending, MAX_FETCH_BATCH, room), FETCH_EXPIRY_S, now)
                 free -= pull.reserved
@@ -202,7 +204,8 @@ class ShardMixin:
         """Deliveries of each shard not settled yet, and pulled ones not handed out."""
         shards = self.cfg.queue.shards
         return Counter(shard_of_subject(subject, shards) for subject in
-                       [h.msg.subject for h in self._held.values()] + [m.subject for m in self._backlog])
+                       [h.msg.subject for h in self._held.values() if not h.settling]
+                       + [m.subject for m in self._backlog])
 
     def _inflight_of(self, shard: int) -> int:
         return sum(1 for h in self._held.values()
