@@ -74,7 +74,7 @@ def shard_label(shard: int, shards: int) -> str:
 
 def shard_window(cfg: "Config") -> int:
     """How many of one shard's tasks a worker holds at once (AMQP: the shard consumer's
-    prefetch; JetStream: the cap on what its pulls bring in).
+    prefetch; JetStream: the cap on what its pulls bring in, where the second rule sets it).
 
     Small enough that one site's shard cannot fill the worker with tasks that would only
     wait for that site's politeness slots: at least 2 x per_host_concurrency, no more than

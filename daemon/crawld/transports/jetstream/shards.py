@@ -155,8 +155,11 @@ class ShardMixin:
         now = time.monotonic()
         busy = sorted((p for p in waiting if p.pending), key=lambda p: p.turn)
         window = shard_window(self.cfg)
-        # Counted only when the window is below the worker's own hand (else it never binds).
-        binds = window < min(self.cfg.queue.prefetch, self.cfg.workers.threads)
+        # Only where the window is set by spreading a large hand over many shards (a worker
+        # of a few sites keeps pulling as before: its breaker must see their outcomes soon)
+        # and below that hand (else it never binds).
+        binds = (2 * self.cfg.fetch.per_host_concurrency < window
+                 < min(self.cfg.queue.prefetch, self.cfg.workers.threads))
         in_hand = self._in_hand_by_shard() if busy and binds else {}
         for pull in busy:
             if free <= 0:
