@@ -12,7 +12,7 @@ import pytest
 from crawld.config import load_config
 from crawld.fetch.politeness import PolitenessTimeout
 from crawld.fetch.sites import FAILURE_RUN, SiteLimiter
-from crawld.fleet.partition import partition_key, registrable_domain, shard_label, shard_of, shard_window
+from crawld.fleet.partition import partition_key, registrable_domain, shard_label, shard_of, shard_pull_cap, shard_window
 from crawld.transports.amqp.shards import ACTIVE_WINDOW_S, SETTLE_S, STEP_BACK_EVERY_S, Shards
 from crawld.transports.base import Delivery
 
@@ -247,3 +247,12 @@ def test_shard_window_fills_the_threads_of_a_fair_share(prefetch: int, threads: 
     cfg = Config(queue=QueueConfig(prefetch=prefetch, shards=64), fetch=FetchConfig(per_host_concurrency=per_host),
                  workers=WorkersConfig(threads=threads, count=workers))
     assert shard_window(cfg) == expected
+
+
+def test_shard_pull_cap_only_where_spreading_a_large_hand_sets_the_window() -> None:
+    from crawld.config import Config, QueueConfig, WorkersConfig
+    wide = Config(queue=QueueConfig(prefetch=256), workers=WorkersConfig(threads=256, count=2))
+    small = Config(queue=QueueConfig(prefetch=8), workers=WorkersConfig(threads=8, count=2))
+    assert shard_pull_cap(wide) == shard_window(wide) == 16
+    assert shard_pull_cap(small) is None and shard_window(small) == 4    # 2 x per_host_concurrency
+    assert shard_pull_cap(Config()) is None

@@ -87,3 +87,13 @@ def shard_window(cfg: "Config") -> int:
     fair_share = math.ceil(cfg.queue.shards / max(1, cfg.workers.count))
     spread = math.ceil(2 * hand / fair_share)
     return max(1, min(cfg.queue.prefetch, max(2 * cfg.fetch.per_host_concurrency, spread)))
+
+
+def shard_pull_cap(cfg: "Config") -> int | None:
+    """The window as a cap on one JetStream shard's pulls, or None where it does not apply:
+    only where the second rule sets it (a worker of a few sites keeps pulling as before,
+    its network breaker must see their outcomes soon) and below the worker's own hand
+    (else it never binds)."""
+    window = shard_window(cfg)
+    hand = min(cfg.queue.prefetch, cfg.workers.threads)
+    return window if 2 * cfg.fetch.per_host_concurrency < window < hand else None

@@ -30,7 +30,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 
 from crawld.config import Config
-from crawld.fleet.partition import shard_of, shard_window
+from crawld.fleet.partition import shard_of
 from crawld.task import MalformedMessage, Task, parse_message
 from crawld.transports.jetstream.connection import API_TIMEOUT_S, log
 from crawld.transports.jetstream.leases import RENEW_EVERY_S, Plan, ShardLeases, open_bucket
@@ -86,6 +86,7 @@ class ShardMixin:
     _pulls: dict[str, Pull]
     _held: dict[int, Held]
     _backlog: deque[Msg]
+    _pull_cap: int | None
     _leases: ShardLeases | None
     _lease_task: asyncio.Task[None] | None
     _consuming: bool
@@ -144,7 +145,7 @@ class ShardMixin:
         """Grant the worker's free slots to waiting shard pulls, so all requests in flight
         together never bring more than it can start. Busy shards (the server said more
         are pending) first, longest-waiting first, up to what they have pending and to
-        their window (fleet.partition.shard_window) less what they hold here; then
+        their cap (fleet.partition.shard_pull_cap) less what they hold here; then
         drained shards probe with one slot each, round robin, with a short expiry when
         many share few slots (each is probed about once a second)."""
         shards = [p for p in self._pulls.values() if p.shard is not None and not p.stopping]
@@ -154,19 +155,14 @@ class ShardMixin:
             return
         now = time.monotonic()
         busy = sorted((p for p in waiting if p.pending), key=lambda p: p.turn)
-        window = shard_window(self.cfg)
-        # Only where the window is set by spreading a large hand over many shards (a worker
-        # of a few sites keeps pulling as before: its breaker must see their outcomes soon)
-        # and below that hand (else it never binds).
-        binds = (2 * self.cfg.fetch.per_host_concurrency < window
-                 < min(self.cfg.queue.prefetch, self.cfg.workers.threads))
-        in_hand = self._in_hand_by_shard() if busy and binds else {}
+        cap = self._pull_cap
+        in_hand = self._in_hand_by_shard() if busy and cap is not None else {}
         for pull in busy:
             if free <= 0:
                 return                 # drained shards wait while busy ones want slots
             # No shard beyond its window: a big pull of one shard would bring many pages
             # of its few sites, which only wait for their politeness slots, on threads.
-            room = window - in_hand.get(pull.shard, 0) if binds else free
+            room = free if cap is None else cap - in_hand.get(pull.shard, 0)
             if room > 0:
                 self._grant(pull, min(free, pull.pending, MAX_FETCH_BATCH, room), FETCH_EXPIRY_S, now)
                 free -= pull.reserved
