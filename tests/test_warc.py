@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 
 import pytest
 from warcio.archiveiterator import ArchiveIterator
@@ -126,6 +127,13 @@ def test_fetches_read_back_with_warcio_and_fastwarc(tmp_path):
     by_id = {h.get_header("WARC-Record-ID"): h for t, _, h in recs if t == "response"}
     requests = [h for t, _, h in recs if t == "request"]
     assert len(requests) == 6
+    ids = [h.get_header("WARC-Record-ID") for _, _, h in recs]
+    assert len(set(ids)) == len(ids)
+    for record_id in ids:      # <urn:uuid:...> of a random (version 4, RFC 4122) UUID
+        assert record_id.startswith("<urn:uuid:") and record_id.endswith(">"), record_id
+        parsed = uuid.UUID(record_id[len("<urn:uuid:"):-1])
+        assert str(parsed) == record_id[len("<urn:uuid:"):-1]
+        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122, record_id
     for req in requests:
         resp = by_id[req.get_header("WARC-Concurrent-To")]
         assert resp.get_header("WARC-Target-URI") == req.get_header("WARC-Target-URI")

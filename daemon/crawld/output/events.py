@@ -4,7 +4,6 @@ one a redelivered duplicate makes carry the same data."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, is_dataclass
 from typing import Any, Mapping
 
 EVENT_FIELDS = ("task_id", "url", "final_url", "status", "http_status", "content_type", "bytes",
@@ -14,6 +13,11 @@ EVENT_FIELDS = ("task_id", "url", "final_url", "status", "http_status", "content
 
 def event_body(row: Any) -> bytes:
     """JSON of the ``EVENT_FIELDS`` of a ``ResultRow`` (or a row dict from the store)."""
-    data: Mapping[str, Any] = asdict(row) if is_dataclass(row) else row
-    return json.dumps({name: data.get(name) for name in EVENT_FIELDS},
-                      separators=(",", ":")).encode()
+    if isinstance(row, Mapping):
+        fields = {name: row.get(name) for name in EVENT_FIELDS}
+    else:       # its fields are scalars: no deep copy (dataclasses.asdict) needed
+        fields = {name: getattr(row, name, None) for name in EVENT_FIELDS}
+    return _ENCODE(fields).encode()
+
+
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
