@@ -1,7 +1,7 @@
 """crawld (1 worker) vs the same work written plainly (plain_pipeline.py), side by side (issue 17).
 
     python tests/bench/bench_plain.py [--quick] [--tasks 8000] [--rounds 2] [--transports amqp,jetstream]
-                                      [--lean] [--baseline CHECKOUT] [--profile DIR] [--md FILE]
+                                      [--lean] [--warmup N] [--baseline CHECKOUT] [--profile DIR] [--md FILE]
 
 Pages come from a private Debian nginx (nginx_site.py): ``/p/N``, ~2 KB static HTML, one site
 on 127.0.0.1. For each transport the two contenders work through the same N tasks (the
@@ -306,16 +306,25 @@ def abba(rounds: int, contenders: list[str]) -> list[str]:
     return order
 
 
+WARMUP = 1000
+
+
 def mean(values: list[float | None]) -> float | None:
     real = [v for v in values if v is not None]
     return sum(real) / len(real) if real else None
 
 
 def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section: Section,
-            profile: Path | None, lean: bool = False, baseline: str | None = None) -> None:
+            profile: Path | None, lean: bool = False, baseline: str | None = None,
+            warmup: int = 0) -> None:
     site = env.nginx(pages=n)
     urls = [site.page_url(i) for i in range(n)]
     timeout = 60 + n / 50
+    if warmup:
+        # Uncounted: the first run on a fresh broker and site was the slowest of its kind,
+        # and crawld always runs first in the ABBA order.
+        run_plain(env, transport, urls[:warmup], timeout)
+        run_crawld(env, transport, urls[:warmup], timeout)
     contenders = ["crawld", "plain"] + (["crawld-lean"] if lean else []) + (["crawld-base"] if baseline else [])
     runs: dict[str, list[Track]] = {who: [] for who in contenders}
     for i, who in enumerate(abba(rounds, contenders)):
@@ -379,7 +388,10 @@ def measure(env: Env, args: argparse.Namespace, section: Section) -> None:
     section.tables.append(table)         # first: a failed transport still shows the rows so far
     for transport in args.transports.split(","):
         compare(env, transport, n, args.rounds, table, section, Path(args.profile) if args.profile else None,
-                args.lean, args.baseline)
+                args.lean, args.baseline, min(args.warmup, n))
+    if args.warmup:
+        section.notes.append(f"before the rounds of each transport, one uncounted warm-up run of the plain "
+                             f"pipeline and of crawld on the first {min(args.warmup, n):,} URLs (--warmup 0: none)")
     section.notes.append("crawld runs with its defaults for robots, the SSRF guard, the body store "
                          "(store.bodies = warc) and output.events (on); the plain pipeline writes one "
                          "file per body and publishes no events. CPU is user+system of the worker "
@@ -406,6 +418,7 @@ def command_line(args: argparse.Namespace) -> str:
     out += f" --rounds {args.rounds}" if args.rounds != 2 else ""
     out += f" --transports {args.transports}" if args.transports != "amqp,jetstream" else ""
     out += " --lean" if args.lean else ""
+    out += f" --warmup {args.warmup}" if args.warmup != WARMUP else ""
     out += f" --baseline {args.baseline}" if args.baseline else ""
     return out + (f" --profile {args.profile}" if args.profile else "")
 
@@ -419,6 +432,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--md", help="also write the section as markdown to this file")
     parser.add_argument("--lean", action="store_true",
                         help="also run crawld with store.bodies=files and output.events=false")
+    parser.add_argument("--warmup", type=int, default=WARMUP,
+                        help="tasks of one uncounted run of each kind before the rounds (0: none)")
     parser.add_argument("--baseline", help="also run crawld from this checkout (its daemon/ on PYTHONPATH)")
     parser.add_argument("--profile", help="py-spy the crawld worker in the first round of each transport into DIR")
     return parser.parse_args(argv)
