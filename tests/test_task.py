@@ -44,3 +44,26 @@ def test_publish_lines():
     assert task.task_id == "t1" and task.source == "news_feed_"
     with pytest.raises(MalformedMessage):
         parse_line('{"url": 1}', "0")
+
+
+def test_message_body_is_the_fields_in_order_without_unset_optionals():
+    """to_body reads the fields itself (no dataclasses.asdict): the same bytes as the JSON of
+    asdict with unset optional fields dropped and the JSON fields decoded."""
+    from dataclasses import asdict
+
+    from crawld.task import JSON_FIELDS, OPTIONAL_FIELDS, Task
+
+    def reference(task: Task) -> bytes:
+        body = {k: v for k, v in asdict(task).items() if k not in OPTIONAL_FIELDS or v}
+        body.update({k: json.loads(body[k]) for k in JSON_FIELDS if k in body})
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    seed = Task(task_id="a" * 32, url="http://example.com/é?q=1", enqueued_at=1.5)
+    found = Task(task_id="b" * 32, url="http://example.com/x", round="r2", source="crawl",
+                 enqueued_at=2.0, depth=3, parent="a" * 32, meta='{"priority":2}',
+                 scope='{"max_depth":4}')
+    for task in (seed, found):
+        assert task.to_body() == reference(task)
+    assert list(json.loads(seed.to_body())) == ["task_id", "url", "round", "source", "enqueued_at"]
+    assert json.loads(found.to_body())["meta"] == {"priority": 2}
+    assert parse_message(found.to_body(), None, 1 << 20) == found

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from w3lib.url import canonicalize_url
@@ -42,15 +42,15 @@ class Task:
     scope: str = ""          # JSON object: per-crawl [scope] overrides from `crawld crawl`
 
     def to_body(self) -> bytes:
-        body = asdict(self)
+        # Every field is a str or a number: read them in declaration order rather than
+        # through dataclasses.asdict, whose deep copy was a third of a batched publish.
         # Optional fields only when set: a seed's message stays what older crawlds sent.
-        for name in OPTIONAL_FIELDS:
-            if not body[name]:
-                del body[name]
+        body = {name: getattr(self, name) for name in _FIELD_NAMES
+                if name not in OPTIONAL_FIELDS or getattr(self, name)}
         for name in JSON_FIELDS:
             if name in body:
                 body[name] = json.loads(body[name])
-        return json.dumps(body, separators=(",", ":")).encode()
+        return _ENCODE(body).encode()
 
     def extra(self) -> str:
         """The JSON fields as one outbox column (``""`` when neither is set)."""
@@ -60,6 +60,8 @@ class Task:
 
 OPTIONAL_FIELDS = ("depth", "parent", "meta", "scope")
 JSON_FIELDS = ("meta", "scope")
+_FIELD_NAMES = tuple(f.name for f in fields(Task))
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def from_extra(extra: str) -> dict[str, str]:
