@@ -207,6 +207,24 @@ def test_republish_same_id_is_a_duplicate(server: NatsServer) -> None:
     assert jetstream_stats(cfg)["messages"] == 3
 
 
+def test_pub_ack_answers_as_nats_server_writes_them() -> None:
+    """The PubAck bodies nats-server 2.x sends (captured from it): the plain answer takes
+    the fast path, a duplicate (written with a space) and an error the JSON one."""
+    from nats.aio.msg import Msg
+
+    from crawld.transports.jetstream.publisher import pub_ack_outcome
+
+    def answer(data: bytes, headers: dict | None = None):
+        return pub_ack_outcome(Msg(None, subject="_INBOX.x.1", data=data, headers=headers), "crawl.url.x")
+    assert answer(b'{"stream":"CRAWL","seq":12}') == (None, False)
+    assert answer(b'{"stream":"CRAWL","seq":12,"duplicate": true}') == (None, True)
+    assert answer(b'{"stream":"CRAWL","seq":12,"duplicate":false}') == (None, False)
+    error, duplicate = answer(b'{"error":{"code":400,"err_code":10060,"description":"expected stream '
+                              b'does not match"},"stream":"T","seq":0}')
+    assert error == "rejected: expected stream does not match (err_code 10060)" and not duplicate
+    assert answer(b"", {"Status": "503"}) == ("no stream for subject crawl.url.x", False)
+
+
 def test_publish_failures_are_reported(server: NatsServer) -> None:
     cfg = make_cfg(server.url)
     with JetStreamPublisher(cfg) as pub:

@@ -256,3 +256,33 @@ def test_shard_pull_cap_only_where_spreading_a_large_hand_sets_the_window() -> N
     assert shard_pull_cap(wide) == shard_window(wide) == 16
     assert shard_pull_cap(small) is None and shard_window(small) == 4    # 2 x per_host_concurrency
     assert shard_pull_cap(Config()) is None
+
+
+def test_site_of_fast_path_agrees_with_urlsplit():
+    """site_of reads plain hosts off a pattern: every shape here (and thousands of random
+    ones) gets the key urlsplit gives, so no site changes shard."""
+    import random
+    from urllib.parse import urlsplit
+
+    from crawld.fleet.partition import _PLAIN_HOST, site_of
+
+    def reference(url: str) -> str:
+        try:
+            return (urlsplit(url.strip()).hostname or "").rstrip(".").lower()
+        except ValueError:
+            return ""
+    shapes = ["http://a.com", "http://a.com/", "https://a.com:8080/x?y#z", "http://a.com?x=1",
+              "http://a.com#f", "http://a.com.:80", "http://a.com:/p", "http://A.com/", "HTTP://a.com/",
+              "http://user:pw@a.com/", "http://a.com@b.com/", "http://[::1]:80/", "http://127.0.0.1:5/",
+              "  http://a.com/  ", "http://a.com\t/x", "http://a\tb.com/", "http://a.com:8x/",
+              "http://a.com\\\\b.com/", "http:///path", "http://", "ftp://a.com/", "http://xn--bcher-kva.ch/",
+              "http://bücher.ch/", "http://a.com:99999999/", "http://a_b.com/", "http://-a.com./.."]
+    alphabet = "abcAZ09.-_:@/?#[]\\ \t%é"
+    rng = random.Random(17)
+    shapes += ["http://" + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+               for _ in range(5000)]
+    fast = 0
+    for url in shapes:
+        assert site_of(url) == reference(url), url
+        fast += _PLAIN_HOST.match(url.strip()) is not None
+    assert fast > 100      # the fast path is taken, not only the fallback

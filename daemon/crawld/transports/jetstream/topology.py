@@ -12,6 +12,7 @@ shard, and one worker at a time owns a shard (leases.py).
 """
 from __future__ import annotations
 
+import functools
 from enum import Enum
 from typing import Any, Awaitable, Sequence, TypeVar
 
@@ -66,6 +67,7 @@ def partitioned(cfg: Config) -> bool:
     return cfg.queue.partition != "none"
 
 
+@functools.lru_cache(maxsize=4096)
 def shard_subject(shard: int, shards: int) -> str:
     return SHARD_PREFIX + shard_label(shard, shards)
 
