@@ -50,7 +50,7 @@ class Task:
         for name in JSON_FIELDS:
             if name in body:
                 body[name] = json.loads(body[name])
-        return _ENCODE(body).encode()
+        return json.dumps(body, separators=(",", ":")).encode()
 
     def extra(self) -> str:
         """The JSON fields as one outbox column (``""`` when neither is set)."""
@@ -61,7 +61,6 @@ class Task:
 OPTIONAL_FIELDS = ("depth", "parent", "meta", "scope")
 JSON_FIELDS = ("meta", "scope")
 _FIELD_NAMES = tuple(f.name for f in fields(Task))
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def from_extra(extra: str) -> dict[str, str]:

@@ -17,7 +17,4 @@ def event_body(row: Any) -> bytes:
         fields = {name: row.get(name) for name in EVENT_FIELDS}
     else:       # its fields are scalars: no deep copy (dataclasses.asdict) needed
         fields = {name: getattr(row, name, None) for name in EVENT_FIELDS}
-    return _ENCODE(fields).encode()
-
-
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+    return json.dumps(fields, separators=(",", ":")).encode()
