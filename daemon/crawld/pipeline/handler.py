@@ -2,11 +2,13 @@
 
     parse → claim (one copy per task id in this process) → duplicate? → delivery limit
     → fetch → classify → store (body sink, then result, attempt or dead row)
-    → hooks + discovered URLs (confirmed) → result event (confirmed) → Settlement
+    → hooks + discovered URLs (confirmed) → Settlement (+ the result event)
 
 The handler writes the store but never talks to the broker: the worker hands the
 Settlement to its transport. Every store write happens before the Settlement is
 returned, so the ack that follows it can only ever turn a crash into a duplicate.
+The result event rides on the Settlement: the transport acks only once the broker
+confirmed it, on the delivery's own connection, without holding a pool thread.
 No broker, no threads of its own: tests drive it with a plain Delivery.
 """
 from __future__ import annotations
@@ -37,12 +39,11 @@ from crawld.pipeline.outcomes import Reason, malformed
 from crawld.process.pause import Pause
 from crawld.store import DeadRow, ResultRow, Store
 from crawld.task import MalformedMessage, Task, parse_message
-from crawld.transports.base import Action, Delivery, EventPublisher, NoEvents, Settlement
+from crawld.transports.base import Action, Delivery, ResultEvent, Settlement
 
 log = get_logger("crawld.pipeline")
 
 CLAIM_GRACE_S = 5.0       # beyond fetch.timeout_s, how long a second copy waits for the first
-EVENT_TIMEOUT_S = 20.0    # how long a stored task waits for its event's confirm before release
 
 
 class DeliveryHandler:
@@ -51,12 +52,12 @@ class DeliveryHandler:
     def __init__(self, cfg: Config, store: Store, fetcher: Fetcher, *, worker_id: str,
                  counts_deliveries: bool, metrics: Metrics | None = None,
                  middleware: Middleware | None = None, sink: BodySink | None = None,
-                 events: EventPublisher | None = None, pause: Pause | None = None,
+                 pause: Pause | None = None,
                  breaker: NetworkBreaker | None = None, hooks: PageHooks | None = None) -> None:
         self.cfg = cfg
         self.hooks = hooks
         self.sink = sink or BodyFiles(store)
-        self.events = events or NoEvents()
+        self.announces = cfg.output.events
         self.store = store
         self.fetcher = fetcher
         self.worker_id = worker_id
@@ -66,7 +67,6 @@ class DeliveryHandler:
         self.metrics = metrics or Metrics(enabled=False)
         self.middleware = middleware or Middleware()
         self._claims = _Claims(cfg.fetch.timeout_s + CLAIM_GRACE_S)
-        self.event_timeout_s = EVENT_TIMEOUT_S
         self.pause = pause or Pause({}, cfg.workers.probe_max_s, lambda: False)
         self.breaker = breaker or NetworkBreaker(cfg.fetch.breaker_window, cfg.fetch.breaker_ratio,
                                                  cfg.fetch.breaker_min_sites)
@@ -203,11 +203,8 @@ class DeliveryHandler:
                 failed = self._run_hooks(delivery, task, result, row, bound)
                 if failed is not None:
                     return failed
-            unconfirmed = self._announce(task, row, bound)
-            if unconfirmed is not None:
-                return unconfirmed
             action = Action.ACK if decision.verdict is Verdict.RESULT else Action.SKIP
-            return Settlement(action, reason=decision.status, task=task)
+            return Settlement(action, reason=decision.status, task=task, event=self._event(task, row))
         self.store.put_attempt(task.task_id, delivery.attempt, task.url, decision.error or decision.reason,
                                result.http_status, decision.delay_s, self.worker_id)
         if decision.verdict is Verdict.RETRY:
@@ -262,8 +259,8 @@ class DeliveryHandler:
             if not outcome.ok:
                 return self._hooks_failed(delivery, task, outcome, bound)
         bound.info("duplicate_skipped", redelivered=delivery.redelivered)
-        return self._announce_duplicate(task, bound) or Settlement(
-            Action.ACK, reason=Reason.DUPLICATE, task=task)
+        return Settlement(Action.ACK, reason=Reason.DUPLICATE, task=task,
+                          event=self._event_of_stored(task))
 
     def _hooks_failed(self, delivery: Delivery, task: Task, outcome: HookOutcome,
                       bound: Any) -> Settlement:
@@ -283,26 +280,21 @@ class DeliveryHandler:
         return Settlement(Action.RETRY, delay_s=delay, reason=Reason.HOOK_ERROR, error=last_line,
                           task=task)
 
-    # -- result events: after the row, before the ack ------------------------------------
-    def _announce(self, task: Task, row: Any, bound: Any) -> Settlement | None:
-        """None when the event is confirmed (or events are off); else give the delivery
-        back: the redelivery finds the stored row and announces it again."""
-        if not self.events.enabled:
+    # -- result events: after the row, confirmed before the ack ------------------------
+    def _event(self, task: Task, row: Any) -> ResultEvent | None:
+        """The event the transport must have confirmed before it acks (None: events off)."""
+        if not self.announces:
             return None
         status = row["status"] if isinstance(row, dict) else row.status
-        error = self.events.publish(task.task_id, status, event_body(row), self.event_timeout_s)
-        if error is None:
-            return None
-        bound.warning("event_unconfirmed", error=error)
-        return Settlement(Action.RELEASE, reason=Reason.EVENT_UNCONFIRMED, error=error, task=task)
+        return ResultEvent(task.task_id, status, event_body(row))
 
-    def _announce_duplicate(self, task: Task, bound: Any) -> Settlement | None:
+    def _event_of_stored(self, task: Task) -> ResultEvent | None:
         """A stored task may have been given back because its event was not confirmed:
         announce it again (consumers deduplicate by task id)."""
-        if not self.events.enabled:
+        if not self.announces:
             return None
         row = self.store.get_result(task.task_id)
-        return self._announce(task, row, bound) if row is not None else None
+        return self._event(task, row) if row is not None else None
 
     def _dead(self, delivery: Delivery, task: Task, decision: Decision) -> Settlement:
         self.store.put_dead(DeadRow(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 
+from crawld.transports.base import EVENT_UNCONFIRMED
+
 
 class Reason(enum.StrEnum):
     DUPLICATE = "duplicate"                   # the task id already has a result: ack, no fetch
@@ -16,7 +18,7 @@ class Reason(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"         # a bug in our code: dead, never retried
     STORE_UNAVAILABLE = "store_unavailable"   # cannot even write the dead row: retry later
     DRAINING = "draining"                     # given back unstarted during a graceful stop
-    EVENT_UNCONFIRMED = "event_unconfirmed"   # stored, but the result event was not confirmed
+    EVENT_UNCONFIRMED = EVENT_UNCONFIRMED     # stored, but the result event was not confirmed
     POISON = "poison"                         # killed its worker while running alone
     SITE_PAUSED = "site_paused"               # its site asked us to wait: back later, no attempt
     SITE_BUSY = "site_busy"                   # its site's turn is too far away: back later, no attempt

@@ -37,8 +37,7 @@ from crawld.process.pause import Change, Pause, write_probe
 from crawld.process.states import Phase
 from crawld.stats import Stats
 from crawld.store import Store
-from crawld.transports.base import (Action, Delivery, EventPublisher, NoEvents, Settlement,
-                                    TopologyError, Transport)
+from crawld.transports.base import Action, Delivery, Settlement, TopologyError, Transport
 
 log = get_logger("crawld.worker")
 
@@ -64,11 +63,9 @@ class WorkerState:
 class Worker:
     def __init__(self, cfg: Config, transport: Transport, store: Store, fetcher: Fetcher,
                  metrics: Metrics | None = None, worker_id: str | None = None,
-                 middleware: Middleware | None = None, sink: BodySink | None = None,
-                 events: EventPublisher | None = None) -> None:
+                 middleware: Middleware | None = None, sink: BodySink | None = None) -> None:
         self.cfg = cfg
         self.sink = sink or make_body_sink(cfg, store)     # in this process: a WARC file is ours
-        self.events = events or NoEvents()
         self.transport = transport
         self.store = store
         self.fetcher = fetcher
@@ -84,7 +81,7 @@ class Worker:
         self.handler = DeliveryHandler(cfg, store, fetcher, worker_id=self.worker_id,
                                        counts_deliveries=transport.counts_deliveries,
                                        metrics=self.metrics, middleware=self.middleware,
-                                       sink=self.sink, events=self.events,
+                                       sink=self.sink,
                                        pause=self.pause, breaker=self.breaker, hooks=self.hooks)
         self.pool = ThreadPoolExecutor(max_workers=cfg.workers.threads, thread_name_prefix="fetch")
         self.state = WorkerState(started_at=time.time())
@@ -122,8 +119,7 @@ class Worker:
                         threads=self.cfg.workers.threads)
         self.middleware.after_worker_boot(self)
         self._set_state(Phase.CONNECTING)
-        self.transport.connect()
-        self.events.start()      # declares crawl.events / CRAWL_EVENTS before the first task
+        self.transport.connect()     # declares crawl.events / CRAWL_EVENTS too (output.events)
         self.transport.start_consuming(self._on_delivery, self._free_slots)
         self._set_state(Phase.RUNNING)
         while not self._stop:
@@ -207,9 +203,8 @@ class Worker:
         return 0
 
     def _close_outputs(self, leftover: int) -> None:
-        """Events, then the body sink. With fetches still running (drain timeout) the WARC
-        file stays open for them; the next worker start recovers it."""
-        self.events.close()
+        """The body sink. With fetches still running (drain timeout) the WARC file stays
+        open for them; the next worker start recovers it."""
         if leftover:
             log.warning("warc_left_open", worker=self.worker_id, unfinished=leftover)
             return
@@ -355,7 +350,7 @@ def run_worker(cfg: Config) -> int:
     """Entry point of `crawld worker` and of each supervisor child."""
     from crawld.process.boot import open_store_when_ready
     from crawld.store import open_store
-    from crawld.transports import make_event_publisher, make_transport
+    from crawld.transports import make_transport
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     middleware = load_middleware(cfg.pipeline.middleware)   # ConfigError: exit 2, names the key
     try:
@@ -375,7 +370,7 @@ def run_worker(cfg: Config) -> int:
         store.close()
         return EXIT_BOOT_ERROR
     worker = Worker(cfg, transport, store, fetcher, Metrics(), worker_id, middleware,
-                    sink=sink, events=make_event_publisher(cfg, worker_id))
+                    sink=sink)
     worker.install_signal_handlers()
     _tune_gc()
     try:

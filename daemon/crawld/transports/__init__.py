@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from crawld.config import Config
-from crawld.transports.base import EventPublisher, NoEvents, Publisher, Transport
+from crawld.transports.base import Publisher, Transport
 
 
 def make_transport(cfg: Config, worker_id: str) -> Transport:
@@ -24,17 +24,6 @@ def make_publisher(cfg: Config, **kwargs: Any) -> Publisher:
         return JetStreamPublisher(cfg, **kwargs)
     from crawld.transports.amqp import AmqpPublisher
     return AmqpPublisher(cfg, **kwargs)
-
-
-def make_event_publisher(cfg: Config, worker_id: str) -> EventPublisher:
-    """Result events on the configured broker; a no-op when ``output.events`` is false."""
-    if not cfg.output.events:
-        return NoEvents()
-    if cfg.broker.transport == "jetstream":
-        from crawld.transports.jetstream.events import JetStreamEventPublisher
-        return JetStreamEventPublisher(cfg, worker_id)
-    from crawld.transports.amqp.events import AmqpEventPublisher
-    return AmqpEventPublisher(cfg, worker_id)
 
 
 def broker_stats(cfg: Config) -> dict[str, Any]:

@@ -35,6 +35,19 @@ class Action(enum.Enum):
     DEFER = "defer"      # a worker fault (disk, store, network): back after delay_s, no attempt used
 
 
+EVENT_TIMEOUT_S = 20.0      # how long a stored task waits for its event's confirm before release
+EVENT_UNCONFIRMED = "event_unconfirmed"    # the reason of such a release
+
+
+@dataclass(frozen=True)
+class ResultEvent:
+    """The result event of a stored task (``output.events``), settled with its delivery."""
+
+    task_id: str
+    status: str            # the AMQP routing key / the JetStream subject's last token
+    body: bytes
+
+
 @dataclass(frozen=True)
 class Settlement:
     action: Action
@@ -42,6 +55,11 @@ class Settlement:
     reason: str = ""
     error: str = ""
     task: Task | None = None   # the parsed task, when there is one (dead/retry republish)
+    # ACK / SKIP only. The transport publishes it on the delivery's own connection and acks
+    # once the broker confirmed it (publisher confirm, PubAck); nacked, refused or not
+    # confirmed within EVENT_TIMEOUT_S, it gives the delivery back instead (RELEASE,
+    # EVENT_UNCONFIRMED) and the redelivery, a duplicate, announces the stored row again.
+    event: ResultEvent | None = None
 
 
 @dataclass
@@ -199,40 +217,3 @@ def tier_for(delay_s: float, tiers: Iterable[float]) -> float:
 EVENTS_EXCHANGE = "crawl.events"       # AMQP topic exchange, routing key = result status
 EVENTS_STREAM = "CRAWL_EVENTS"         # JetStream stream on crawl.event.>
 EVENTS_SUBJECT_PREFIX = "crawl.event."
-
-
-class EventPublisher(abc.ABC):
-    """Result events for downstream stages, confirmed by the broker (one per worker).
-
-    ``publish`` is thread-safe and blocks its pool thread until the broker confirmed
-    the event (AMQP publisher confirm, JetStream PubAck) or ``timeout_s`` passed; the
-    task id is the message id, so a consumer deduplicates a resent event by it.
-    """
-
-    enabled = True
-
-    @abc.abstractmethod
-    def start(self) -> None:
-        """Connect and declare the exchange / stream (worker boot; TopologyError if refused)."""
-
-    @abc.abstractmethod
-    def publish(self, task_id: str, status: str, body: bytes, timeout_s: float) -> str | None:
-        """None once confirmed, else why not (the caller must not ack the task)."""
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-
-class NoEvents(EventPublisher):
-    """``output.events = false``."""
-
-    enabled = False
-
-    def start(self) -> None:
-        pass
-
-    def publish(self, task_id: str, status: str, body: bytes, timeout_s: float) -> str | None:
-        return None
-
-    def close(self) -> None:
-        pass

@@ -16,8 +16,8 @@ from typing import Any, Awaitable, Callable, Mapping, TypeVar
 from tenacity import AsyncRetrying, RetryError, Retrying, retry_if_exception_type, wait_random_exponential
 
 from crawld.config import Config, redact_url
-from crawld.transports.base import (ATTEMPT_HEADER, ERROR_HEADER, MAX_HEADER_CHARS, ORIGIN_HEADER,
-                                    REASON_HEADER, Action, Delivery, Settlement, Transport)
+from crawld.transports.base import (ATTEMPT_HEADER, ERROR_HEADER, EVENT_UNCONFIRMED, MAX_HEADER_CHARS,
+                                    ORIGIN_HEADER, REASON_HEADER, Action, Delivery, Settlement, Transport)
 
 T = TypeVar("T")
 Logger = Any   # a structlog bound logger; each transport passes its own so events keep its name
@@ -48,6 +48,11 @@ class PendingSettlements:
     def done(self) -> None:
         with self._lock:
             self._count -= 1
+
+    def add(self) -> None:
+        """One more the loop owes, taken on the loop itself (an ack waiting for its event)."""
+        with self._lock:
+            self._count += 1
 
     def hand_off(self, schedule: Callable[[], None], delivery: Delivery, settlement: Settlement,
                  refused: tuple[type[BaseException], ...], reason: str) -> None:
@@ -173,6 +178,16 @@ def task_id_of(delivery: Delivery, settlement: Settlement, fallback: str = "") -
     if task is not None and task.task_id:
         return task.task_id
     return delivery.message_id or fallback
+
+
+def unannounced(delivery: Delivery, settlement: Settlement, error: str, log: Logger,
+                transport: str) -> Settlement:
+    """What an ACK / SKIP becomes when its result event was not confirmed: the delivery
+    goes back, and its redelivery (a duplicate, no fetch) announces the stored row again."""
+    task = settlement.task
+    log.warning("event_unconfirmed", transport=transport, task_id=task_id_of(delivery, settlement),
+                url=task.url if task is not None else "", attempt=delivery.attempt, error=error)
+    return Settlement(Action.RELEASE, reason=EVENT_UNCONFIRMED, error=error, task=task)
 
 
 # -- forwarded copies ----------------------------------------------------------------

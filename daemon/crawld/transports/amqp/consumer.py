@@ -11,6 +11,9 @@ wake-up per burst, not per task), and the acks of a burst go out as one
 ``basic_ack(multiple=True)`` up to the oldest delivery still in progress: a group commit
 settles its whole batch at once, so one frame acks most of it.
 
+With ``output.events`` a third channel carries the result events (events.py): an ack
+whose settlement has an event waits in ``_unsettled`` until the broker confirmed it.
+
 Delivery tags are channel-scoped: every delivery remembers the connection
 generation it came from, and a settle for an older generation is dropped (the
 broker has already requeued that message) instead of raising
@@ -22,6 +25,7 @@ import random
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Callable
 
 import pika
@@ -31,13 +35,14 @@ from crawld.config import Config, redact_url
 from crawld.transports.amqp.connection import (CONNECTION_ERRORS, connect_with_backoff, log,
                                                message_properties)
 from crawld.task import MalformedMessage, parse_message
+from crawld.transports.amqp.events import EventChannel, Outcome
 from crawld.transports.amqp.shards import Shards
 from crawld.transports.amqp.topology import (TIER_HEADER, dead_queue_name, declare_topology, partitioned,
                                              retry_queue_name, route_for, shard_retry_exchange, tier_label)
 from crawld.transports.base import (ATTEMPT_HEADER, Action, Delivery, DeliveryCallback, Settlement,
                                     Transport, tier_for)
 from crawld.transports.common import (Generations, PendingSettlements, complete, dispatch,
-                                      forward_headers, task_id_of)
+                                      forward_headers, task_id_of, unannounced)
 
 HANDOVER = "shard_handover"     # the reason header of a copy passed on to a shard's next owner
 
@@ -56,6 +61,7 @@ class AmqpTransport(Transport):
         self._conn: pika.BlockingConnection | None = None
         self._ch: Any = None
         self._pub: Any = None
+        self._events: EventChannel | None = None
         self._generations = Generations(self)
         self._tags: dict[str, str] = {}             # queue -> consumer tag
         self._tag_queue: dict[str, str] = {}        # consumer tag -> queue (the origin)
@@ -87,6 +93,8 @@ class AmqpTransport(Transport):
         self._set_qos()
         self._pub = conn.channel()
         self._pub.confirm_delivery()
+        if self.cfg.output.events:
+            self._events = EventChannel(conn, self._on_event_outcomes)
         log.info("broker_connected", transport="amqp", broker_url=redact_url(self.cfg.broker.url),
                  queue=self.queue, prefetch=self.cfg.queue.prefetch, generation=generation)
         if self._consuming:
@@ -187,10 +195,19 @@ class AmqpTransport(Transport):
                 # process_data_events does not raise when only the channel was closed
                 # (e.g. consumer_timeout): treat it as a lost connection.
                 raise pex.ChannelClosed(0, "consumer channel closed by broker")
+            self._check_events()
             if self._shards is not None and self._consuming:
                 self._balance()
         except CONNECTION_ERRORS as exc:
             self._lost(exc)
+
+    def _check_events(self) -> None:
+        if self._events is None:
+            return
+        if not self._events.is_open:      # e.g. the exchange was deleted under a publish
+            raise pex.ChannelClosed(0, "events channel closed by broker")
+        self._events.expire()
+        self._drain_inbox()
 
     def _reconnect(self) -> None:
         self.reconnects += 1
@@ -205,6 +222,7 @@ class AmqpTransport(Transport):
         if self._acks is not None:
             self._acks.clear()
         self._forget_consumers()
+        self._drop_events()
         conn, self._conn, self._ch, self._pub = self._conn, None, None, None
         if conn is not None and conn.is_open:
             try:
@@ -221,7 +239,16 @@ class AmqpTransport(Transport):
                 self._conn.close()
             except CONNECTION_ERRORS:
                 pass
+        self._drop_events()
         self._conn = self._ch = self._pub = None
+
+    def _drop_events(self) -> None:
+        """Events still unconfirmed went with the connection (their deliveries are back
+        in the queue, nacked or requeued by the broker): nothing more to settle."""
+        if self._events is not None:
+            for _ in self._events.drop():
+                self._pending.done()
+        self._events = None
 
     # shards: exactly one active consumer per shard queue, chosen by the broker
     def owned_shards(self) -> list[int]:
@@ -446,10 +473,30 @@ class AmqpTransport(Transport):
             self._pending.done()
 
     def _ack(self, delivery: Delivery, settlement: Settlement) -> None:
+        if settlement.event is not None and self._events is not None:
+            self._announce(delivery, settlement)
+            return
         if self._acks is not None:
             self._acks.append(delivery.handle[1])     # sent when the burst is done
         else:
             self._ch.basic_ack(delivery.handle[1])
+
+    def _announce(self, delivery: Delivery, settlement: Settlement) -> None:
+        """Publish the event; the ack (or the release) follows its confirm, settled again
+        through the inbox: still pending, and still unsettled, so no multiple-ack covers it."""
+        assert self._events is not None
+        self._unsettled[delivery.handle[1]] = delivery
+        self._pending.add()
+        self._events.publish(delivery, settlement)
+
+    def _on_event_outcomes(self, outcomes: list[Outcome]) -> None:
+        """Connection thread, inside process_data_events: queue the acks (or releases) of
+        confirmed (or failed) events for the next inbox drain."""
+        settled = [(delivery, replace(settlement, event=None) if error is None
+                    else unannounced(delivery, settlement, error, log, self.name))
+                   for delivery, settlement, error in outcomes]
+        with self._inbox_lock:
+            self._inbox.extend(settled)
 
     def _requeue(self, delivery: Delivery, settlement: Settlement) -> None:
         self._ch.basic_nack(delivery.handle[1], requeue=True)

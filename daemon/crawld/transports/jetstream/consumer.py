@@ -40,8 +40,9 @@ from crawld.transports.jetstream.leases import ShardLeases, open_bucket
 from crawld.transports.jetstream.pulls import Pull
 from crawld.transports.jetstream.settle import Held, SettleMixin
 from crawld.transports.jetstream.shards import FETCH_EXPIRY_S, MAX_FETCH_BATCH, ShardMixin
+from crawld.transports.jetstream.events import events_stream_config
 from crawld.transports.jetstream.topology import (MSG_ID_HEADER, STREAM, WORK_FILTER, ensure_consumer,
-                                                  ensure_streams, partitioned)
+                                                  ensure_stream, ensure_streams, partitioned)
 
 T = TypeVar("T")
 
@@ -65,6 +66,7 @@ class JetStreamTransport(ShardMixin, SettleMixin, Transport):
         self._closing = False
         self._ticker_task: asyncio.Task[None] | None = None
         self._settle_tasks: set[asyncio.Task[None]] = set()
+        self._announcing = 0
         self._held: dict[int, Held] = {}           # id(msg) -> held; the entry keeps msg alive
         self._backlog: deque[Msg] = deque()        # fetched beyond the free slots (rare)
         self._backlog_signal = 0.0
@@ -106,6 +108,8 @@ class JetStreamTransport(ShardMixin, SettleMixin, Transport):
         try:
             js = nc.jetstream(timeout=API_TIMEOUT_S)
             await ensure_streams(js, self.cfg)
+            if self.cfg.output.events:
+                await ensure_stream(js, events_stream_config(self.cfg))
             self.drift = await ensure_consumer(js, self.cfg)
             psub = await js.pull_subscribe_bind(durable=self.cfg.queue.name, stream=STREAM)
             kv = await open_bucket(js, self.cfg.queue.replicas) if self._leases else None
@@ -290,8 +294,10 @@ class JetStreamTransport(ShardMixin, SettleMixin, Transport):
         self._backlog.extendleft(reversed(parked))
 
     def _slots(self) -> int:
+        """The worker's free slots, less the deliveries whose pool thread is done but whose
+        event is not PubAcked yet: queue.prefetch bounds what is held, as with AMQP."""
         try:
-            return int(self._free_slots())
+            return int(self._free_slots()) - self._announcing
         except Exception as exc:   # a broken callback must not kill the pull loop
             log.error("free_slots_failed", error=repr(exc))
             return 0

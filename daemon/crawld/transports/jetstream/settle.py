@@ -2,6 +2,8 @@
 
 Terminal replies (ack, nak, term) are sent as requests ("double ack"): the server answers
 once it has recorded them, so ``pending_settlements() == 0`` means the broker has them.
+An ack or term whose settlement carries a result event follows the event's PubAck
+(events.py); without one the delivery is given back (nak) instead.
 
 Unlike AMQP delivery tags, JetStream acks are published to the message's reply
 subject (``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...``), which does not belong
@@ -21,10 +23,12 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from crawld.transports.base import Action, Delivery, Settlement
+from crawld.config import Config
+from crawld.transports.base import EVENT_TIMEOUT_S, Action, Delivery, Settlement
 from crawld.transports.common import (Generations, PendingSettlements, complete, dispatch,
-                                      forward_headers, task_id_of)
+                                      forward_headers, task_id_of, unannounced)
 from crawld.transports.jetstream.connection import API_TIMEOUT_S, log
+from crawld.transports.jetstream.events import publish_event
 from crawld.transports.jetstream.topology import MSG_ID_HEADER, STREAM, WORK_PREFIX, dead_subject
 
 DEAD_RETRY_DELAY_S = 5.0     # nak delay when the dead-letter publish failed
@@ -46,7 +50,9 @@ class Held:
 class SettleMixin:
     """Settling for JetStreamTransport (consumer.py owns the attributes declared here)."""
 
+    cfg: Config
     _loop: asyncio.AbstractEventLoop
+    _announcing: int            # settles waiting for their event's PubAck
     _nc: Client | None
     _js: JetStreamContext | None
     _held: dict[int, Held]
@@ -110,10 +116,30 @@ class SettleMixin:
             self._wake.set()
 
     async def _ack(self, held: Held, settlement: Settlement) -> None:
-        await self._reply(held.msg, Msg.Ack.Ack, settlement)
+        if await self._announced(held, settlement):
+            await self._reply(held.msg, Msg.Ack.Ack, settlement)
 
     async def _term(self, held: Held, settlement: Settlement) -> None:
-        await self._reply(held.msg, Msg.Ack.Term, settlement)
+        if await self._announced(held, settlement):
+            await self._reply(held.msg, Msg.Ack.Term, settlement)
+
+    async def _announced(self, held: Held, settlement: Settlement) -> bool:
+        """True when there is no event or it is PubAcked; else the delivery was given back
+        (its redelivery, a duplicate, announces the stored row again)."""
+        if settlement.event is None:
+            return True
+        js = self._js
+        if js is None:
+            raise nats.errors.ConnectionClosedError
+        self._announcing += 1
+        try:
+            error = await publish_event(js, self.cfg, settlement.event, EVENT_TIMEOUT_S)
+        finally:
+            self._announcing -= 1
+        if error is None:
+            return True
+        await self._give_back(held, unannounced(held.delivery, settlement, error, log, "jetstream"))
+        return False
 
     async def _retry(self, held: Held, settlement: Settlement) -> None:
         await self._reply(held.msg, nak_payload(settlement.delay_s), settlement)
