@@ -26,6 +26,7 @@ from crawld.output.warc import (
     read_record,
     recover,
     resolve,
+    sha1_base32,
     stored_response_headers,
 )
 
@@ -177,11 +178,23 @@ def test_decoded_body_headers_stay_consistent(tmp_path):
     warcio_check(warc_files(tmp_path))
 
 
+def test_sha1_base32_is_rfc4648_base32():
+    import base64
+    import hashlib
+    digests = [hashlib.sha1(os.urandom(n)).digest() for n in range(2000)] + [bytes(20), b"\xff" * 20]
+    for digest in digests:
+        assert sha1_base32(digest) == base64.b32encode(digest).decode("ascii")
+
+
 def test_stored_headers_untouched_when_consistent():
     same = [("Content-Type", "text/html"), ("Content-Length", "3"), ("Content-Encoding", "identity")]
     assert stored_response_headers(same, 3) == same
     raw = [("Content-Encoding", "br"), ("Content-Length", "2")]
     assert stored_response_headers(raw, 2, decoded=False) == raw
+    plain = [("Server", "nginx"), ("Content-Length", " 3 "), ("ETag", '"x"')]
+    assert stored_response_headers(plain, 3) == plain
+    assert stored_response_headers(plain, 4) == [("Server", "nginx"), ("X-Crawld-Original-Content-Length", " 3 "),
+                                                 ("ETag", '"x"'), ("Content-Length", "4")]
 
 
 def test_revisit_for_a_payload_already_written(tmp_path):

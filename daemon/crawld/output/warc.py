@@ -16,7 +16,6 @@ Everything else is kept byte for byte as received.
 """
 from __future__ import annotations
 
-import base64
 import collections
 import fcntl
 import hashlib
@@ -76,6 +75,7 @@ REFERS_TO_LOCATION = "X-Crawld-Refers-To-Location"   # "<file> <offset> <length>
 # Process-wide, so two writers in one process (tests, a writer reopened after close)
 # never produce the same name within a millisecond.
 _SERIALS = itertools.count()
+_BASE32 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
 
 
 _UUID4_BITS = (0x4 << 76) | (0x2 << 62)                                # version 4, RFC 4122 variant
@@ -153,7 +153,18 @@ class _Planned:
 
 def payload_digest(payload: bytes) -> str:
     """``sha1:<base32>``, the form warcio and Heritrix write."""
-    return "sha1:" + base64.b32encode(hashlib.sha1(payload).digest()).decode("ascii")
+    return "sha1:" + sha1_base32(hashlib.sha1(payload).digest())
+
+
+_BASE32_PAIRS = [a + b for a in _BASE32 for b in _BASE32]    # 10 bits -> two characters
+_PAIR_SHIFTS = range(150, -1, -10)
+
+
+def sha1_base32(digest: bytes) -> str:
+    """RFC 4648 base32 of a 20-byte digest (160 bits: no padding), what base64.b32encode
+    gives, at a third of its cost: three per fetch in the store step."""
+    bits = int.from_bytes(digest, "big")
+    return "".join([_BASE32_PAIRS[(bits >> shift) & 1023] for shift in _PAIR_SHIFTS])
 
 
 EMPTY_DIGEST = payload_digest(b"")
@@ -162,6 +173,14 @@ EMPTY_DIGEST = payload_digest(b"")
 def stored_response_headers(headers: Sequence[tuple[str, str]], payload_length: int,
                             decoded: bool = True) -> list[tuple[str, str]]:
     """Response headers made consistent with the stored payload (see module docstring)."""
+    length = str(payload_length)
+    for name, value in headers:     # the usual case: nothing to change, one cheap pass
+        low = name.lower()
+        if low in ("transfer-encoding", "content-encoding") or (low == "content-length"
+                                                               and value.strip() != length):
+            break
+    else:
+        return list(headers)
     lowered = [(name.lower(), value.strip().lower()) for name, value in headers]
     encoded = decoded and any(n == "content-encoding" and v not in ("", "identity") for n, v in lowered)
     chunked = any(n == "transfer-encoding" for n, _ in lowered)
@@ -492,7 +511,7 @@ def _member(headers: list[tuple[str, str]], content_type: str, http: bytes, payl
     """One record as one gzip member: WARC headers (UTF-8), the block, CRLF CRLF."""
     digest = hashlib.sha1(http)
     digest.update(payload)
-    block_digest = "sha1:" + base64.b32encode(digest.digest()).decode("ascii")
+    block_digest = "sha1:" + sha1_base32(digest.digest())
     head = (WARC_VERSION + "\r\n" + "".join(f"{n}: {v}\r\n" for n, v in headers)
             + f"WARC-Block-Digest: {block_digest}\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {len(http) + len(payload)}\r\n\r\n")
