@@ -163,6 +163,7 @@ def test_event_publish_cancelled_underneath_is_resent_or_unconfirmed_never_raise
     import nats
     from crawld.transports.base import ResultEvent
     from crawld.transports.jetstream.events import events_stream_config, publish_event
+    from crawld.transports.jetstream.replies import Replies
     from crawld.transports.jetstream.topology import ensure_stream
 
     server = NatsServer()
@@ -173,19 +174,21 @@ def test_event_publish_cancelled_underneath_is_resent_or_unconfirmed_never_raise
         nc = await nats.connect(server.url)
         js = nc.jetstream()
         await ensure_stream(js, events_stream_config(cfg))
-        real_publish, cancels = js.publish, {"left": 1, "done": 0}
+        replies = Replies()
+        await replies.bind(nc)
+        cancels = {"left": 1, "done": 0}
 
-        async def cancelled_underneath(*args: Any, **kwargs: Any) -> Any:
+        async def cancelled_underneath(*args: Any) -> Any:
             if cancels["left"] > 0:
                 cancels["left"] -= 1
                 cancels["done"] += 1
                 raise asyncio.CancelledError()
-            return await real_publish(*args, **kwargs)
-        js.publish = cancelled_underneath  # type: ignore[method-assign]
+            return await replies.request(*args)
         body = json.dumps({"task_id": "a" * 32, "status": "ok"}).encode()
-        first = await publish_event(js, cfg, ResultEvent("a" * 32, "ok", body), 5.0)   # resent
+        first = await publish_event(js, cancelled_underneath, cfg, ResultEvent("a" * 32, "ok", body), 5.0)
         cancels["left"] = 10 ** 6
-        second = await publish_event(js, cfg, ResultEvent("b" * 32, "ok", body.replace(b"a", b"b")), 1.0)
+        second = await publish_event(js, cancelled_underneath, cfg,
+                                     ResultEvent("b" * 32, "ok", body.replace(b"a", b"b")), 1.0)
         await nc.close()
         return first, second, cancels["done"]
 
@@ -243,3 +246,50 @@ async def _read_events(url: str) -> list[bytes]:
                 await msg.ack()
     finally:
         await nc.close()
+
+
+def test_replies_answer_each_request_time_out_alone_and_fail_when_rebound():
+    """The inbox behind every JetStream ack and event PubAck (replies.py), on a real
+    nats-server: answers reach their own request, a silent responder times out that
+    request only, and binding a new connection fails what waited on the old one."""
+    import nats
+    import nats.errors
+    from crawld.transports.jetstream.replies import Replies
+
+    server = NatsServer()
+    server.start()
+
+    async def scenario() -> None:
+        nc = await nats.connect(server.url)
+        replies = Replies()
+        await replies.bind(nc)
+
+        async def echo(msg: Any) -> None:
+            await msg.respond(b"pong:" + msg.data)
+
+        async def silent(msg: Any) -> None:
+            pass
+        await nc.subscribe("svc.echo", cb=echo)
+        await nc.subscribe("svc.silent", cb=silent)
+        answers = await asyncio.gather(*(replies.request("svc.echo", b"%d" % i, 5.0) for i in range(200)))
+        assert [a.data for a in answers] == [b"pong:%d" % i for i in range(200)]
+        started = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await replies.request("svc.silent", b"x", 0.3)
+        assert 0.25 < time.monotonic() - started < 3.0
+        assert (await replies.request("svc.echo", b"after", 5.0)).data == b"pong:after"
+        assert not replies._waiting
+        waiting = asyncio.ensure_future(replies.request("svc.silent", b"y", 30.0))
+        await asyncio.sleep(0.1)
+        nc2 = await nats.connect(server.url)
+        await replies.bind(nc2)
+        with pytest.raises(nats.errors.ConnectionClosedError):
+            await waiting
+        assert (await replies.request("svc.echo", b"new", 5.0)).data == b"pong:new"
+        await nc.close()
+        await nc2.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()

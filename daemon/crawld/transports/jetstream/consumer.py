@@ -41,6 +41,7 @@ from crawld.transports.jetstream.pulls import Pull
 from crawld.transports.jetstream.settle import Held, SettleMixin
 from crawld.transports.jetstream.shards import FETCH_EXPIRY_S, MAX_FETCH_BATCH, ShardMixin
 from crawld.transports.jetstream.events import events_stream_config
+from crawld.transports.jetstream.replies import Replies
 from crawld.transports.jetstream.topology import (MSG_ID_HEADER, STREAM, WORK_FILTER, ensure_consumer,
                                                   ensure_stream, ensure_streams, partitioned)
 
@@ -67,6 +68,7 @@ class JetStreamTransport(ShardMixin, SettleMixin, Transport):
         self._ticker_task: asyncio.Task[None] | None = None
         self._settle_tasks: set[asyncio.Task[None]] = set()
         self._announcing = 0
+        self._replies = Replies()                  # acks and event PubAcks (replies.py)
         self._held: dict[int, Held] = {}           # id(msg) -> held; the entry keeps msg alive
         self._backlog: deque[Msg] = deque()        # fetched beyond the free slots (rare)
         self._backlog_signal = 0.0
@@ -113,6 +115,7 @@ class JetStreamTransport(ShardMixin, SettleMixin, Transport):
             self.drift = await ensure_consumer(js, self.cfg)
             psub = await js.pull_subscribe_bind(durable=self.cfg.queue.name, stream=STREAM)
             kv = await open_bucket(js, self.cfg.queue.replicas) if self._leases else None
+            await self._replies.bind(nc)
         except BaseException:
             await close_quietly(nc)
             raise

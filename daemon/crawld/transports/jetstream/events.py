@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any, Awaitable, Callable
 
-import nats.js.errors as jse
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
@@ -20,6 +21,7 @@ from crawld.config import Config
 from crawld.task import safe_source
 from crawld.transports.base import EVENTS_STREAM, EVENTS_SUBJECT_PREFIX, ResultEvent, TopologyError
 from crawld.transports.jetstream.connection import API_TIMEOUT_S, RETRYABLE
+from crawld.transports.jetstream.publisher import is_no_stream, pub_ack_outcome
 from crawld.transports.jetstream.topology import MSG_ID_HEADER, ensure_stream
 
 EVENTS_MAX_AGE_S = 7 * 86400.0     # consumers are expected to keep up; a week of slack
@@ -40,26 +42,30 @@ def event_subject(status: str) -> str:
     return EVENTS_SUBJECT_PREFIX + safe_source(status)
 
 
-async def publish_event(js: JetStreamContext, cfg: Config, event: ResultEvent, timeout_s: float) -> str | None:
+Request = Callable[[str, bytes, float, dict[str, Any]], Awaitable[Msg]]
+
+
+async def publish_event(js: JetStreamContext, request: Request, cfg: Config, event: ResultEvent,
+                        timeout_s: float) -> str | None:
     """None once PubAcked, else why not after ``timeout_s`` of tries (nats-py reconnects
-    underneath; a deleted stream is declared again)."""
+    underneath; a deleted stream is declared again). ``request`` sends it (replies.py)."""
     deadline = time.monotonic() + timeout_s
     subject = event_subject(event.status)
     error = "deadline passed before the first publish"
     while time.monotonic() < deadline:
         remaining = deadline - time.monotonic()
         try:
-            await js.publish(subject, event.body, timeout=max(0.05, min(API_TIMEOUT_S, remaining)),
-                             headers={MSG_ID_HEADER: event.task_id})
-            return None
-        except jse.NoStreamResponseError:
-            error = f"no stream for {subject}"
-            try:
+            answer = await request(subject, event.body, max(0.05, min(API_TIMEOUT_S, remaining)),
+                                   {MSG_ID_HEADER: event.task_id})
+            error, _duplicate = pub_ack_outcome(answer, subject)
+            if error is None:
+                return None
+            if is_no_stream(answer):
                 await ensure_stream(js, events_stream_config(cfg))
-            except TopologyError as exc:
-                return str(exc)
-            except RETRYABLE as exc:
-                error = repr(exc)
+        except TopologyError as exc:
+            return str(exc)
+        except asyncio.TimeoutError:
+            error = f"no PubAck for the event within {API_TIMEOUT_S:g}s"
         except RETRYABLE as exc:
             error = repr(exc)
         except asyncio.CancelledError:

@@ -166,7 +166,7 @@ def pub_ack_outcome(msg: Msg, subject: str) -> tuple[str | None, bool]:
     if data.startswith(b'{"stream":') and b'"error"' not in data and b'"duplicate"' not in data \
             and not msg.headers:
         return None, False      # the usual answer, without a JSON parse per message
-    if msg.headers and msg.headers.get(Header.STATUS.value) == NO_RESPONDERS:
+    if is_no_stream(msg):
         return f"no stream for subject {subject}", False
     try:
         answer = json.loads(msg.data)
@@ -176,6 +176,11 @@ def pub_ack_outcome(msg: Msg, subject: str) -> tuple[str | None, bool]:
         err = answer["error"]
         return f"rejected: {err.get('description')} (err_code {err.get('err_code')})", False
     return None, bool(answer.get("duplicate"))
+
+
+def is_no_stream(msg: Msg) -> bool:
+    """The server's "no responders" status: no stream takes the subject."""
+    return bool(msg.headers) and msg.headers.get(Header.STATUS.value) == NO_RESPONDERS
 
 
 async def _unsubscribe(sub: Any) -> None:

@@ -29,6 +29,7 @@ from crawld.transports.common import (Generations, PendingSettlements, complete,
                                       forward_headers, task_id_of, unannounced)
 from crawld.transports.jetstream.connection import API_TIMEOUT_S, log
 from crawld.transports.jetstream.events import publish_event
+from crawld.transports.jetstream.replies import Replies
 from crawld.transports.jetstream.topology import MSG_ID_HEADER, STREAM, WORK_PREFIX, dead_subject
 
 DEAD_RETRY_DELAY_S = 5.0     # nak delay when the dead-letter publish failed
@@ -53,6 +54,7 @@ class SettleMixin:
     cfg: Config
     _loop: asyncio.AbstractEventLoop
     _announcing: int            # settles waiting for their event's PubAck
+    _replies: Replies
     _nc: Client | None
     _js: JetStreamContext | None
     _held: dict[int, Held]
@@ -133,7 +135,8 @@ class SettleMixin:
             raise nats.errors.ConnectionClosedError
         self._announcing += 1
         try:
-            error = await publish_event(js, self.cfg, settlement.event, EVENT_TIMEOUT_S)
+            error = await publish_event(js, self._replies.request, self.cfg, settlement.event,
+                                        EVENT_TIMEOUT_S)
         finally:
             self._announcing -= 1
         if error is None:
@@ -161,7 +164,7 @@ class SettleMixin:
         if nc is None or nc.is_closed:
             raise nats.errors.ConnectionClosedError
         try:
-            await nc.request(msg.reply, payload, timeout=API_TIMEOUT_S)
+            await self._replies.request(msg.reply, payload, API_TIMEOUT_S)
         except asyncio.TimeoutError:
             log.warning("settle_unconfirmed", transport="jetstream", action=settlement.action.value,
                         stream_seq=msg.metadata.sequence.stream, connected=self.connected)

@@ -263,7 +263,7 @@ class ShardMixin:
         """Double ack, as settle.py does: the server has it when this returns."""
         if self._nc is None or self._nc.is_closed:
             raise nats.errors.ConnectionClosedError
-        await self._nc.request(msg.reply, payload, timeout=API_TIMEOUT_S)
+        await self._replies.request(msg.reply, payload, API_TIMEOUT_S)
         msg._ackd = True
 
     # -- leases ----------------------------------------------------------------------------
