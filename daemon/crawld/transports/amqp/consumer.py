@@ -400,19 +400,25 @@ class AmqpTransport(Transport):
         def schedule() -> None:
             if conn is None:
                 raise pex.ConnectionWrongStateError("not connected")
-            with self._inbox_lock:
-                self._inbox.append((delivery, settlement))
-                wake, self._wake_pending = not self._wake_pending, True
-            if wake:
-                try:
-                    conn.add_callback_threadsafe(self._drain_inbox)
-                except HANDOFF_REFUSED:
-                    # Queued all the same: the next poll drains it (and drops it as stale
-                    # if the connection is gone), which keeps the pending count exact.
-                    with self._inbox_lock:
-                        self._wake_pending = False
+            self._enqueue(conn, [(delivery, settlement)])
 
         self._pending.hand_off(schedule, delivery, settlement, HANDOFF_REFUSED, "connection gone")
+
+    def _enqueue(self, conn: pika.BlockingConnection, items: list[tuple[Delivery, Settlement]]) -> None:
+        """Into the inbox, and a wake-up for the connection thread unless one is on its way:
+        ``add_callback_threadsafe`` also ends a ``process_data_events`` wait, which
+        nothing else would for an event's confirm (pika hands those to us directly)."""
+        with self._inbox_lock:
+            self._inbox.extend(items)
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:
+            try:
+                conn.add_callback_threadsafe(self._drain_inbox)
+            except HANDOFF_REFUSED:
+                # Queued all the same: the next poll drains it (and drops it as stale
+                # if the connection is gone), which keeps the pending count exact.
+                with self._inbox_lock:
+                    self._wake_pending = False
 
     def _drain_inbox(self) -> None:
         """Runs on the connection thread: settle everything queued, acks coalesced. A call
@@ -491,12 +497,15 @@ class AmqpTransport(Transport):
 
     def _on_event_outcomes(self, outcomes: list[Outcome]) -> None:
         """Connection thread, inside process_data_events: queue the acks (or releases) of
-        confirmed (or failed) events for the next inbox drain."""
+        confirmed (or failed) events, drained as soon as that call returns."""
         settled = [(delivery, replace(settlement, event=None) if error is None
                     else unannounced(delivery, settlement, error, log, self.name))
                    for delivery, settlement, error in outcomes]
-        with self._inbox_lock:
-            self._inbox.extend(settled)
+        if self._conn is not None:
+            self._enqueue(self._conn, settled)
+        else:       # the next poll drains them as stale, which keeps the pending count exact
+            with self._inbox_lock:
+                self._inbox.extend(settled)
 
     def _requeue(self, delivery: Delivery, settlement: Settlement) -> None:
         self._ch.basic_nack(delivery.handle[1], requeue=True)

@@ -36,12 +36,12 @@ from crawld.transports.base import Delivery, DeliveryCallback, Transport
 from crawld.transports.common import Generations, PendingSettlements
 from crawld.transports.jetstream.connection import (API_TIMEOUT_S, close_quietly, log, open_connection,
                                                     retry_with_backoff)
+from crawld.transports.jetstream.events import events_stream_config
 from crawld.transports.jetstream.leases import ShardLeases, open_bucket
 from crawld.transports.jetstream.pulls import Pull
+from crawld.transports.jetstream.replies import Replies
 from crawld.transports.jetstream.settle import Held, SettleMixin
 from crawld.transports.jetstream.shards import FETCH_EXPIRY_S, MAX_FETCH_BATCH, ShardMixin
-from crawld.transports.jetstream.events import events_stream_config
-from crawld.transports.jetstream.replies import Replies
 from crawld.transports.jetstream.topology import (MSG_ID_HEADER, STREAM, WORK_FILTER, ensure_consumer,
                                                   ensure_stream, ensure_streams, partitioned)
 

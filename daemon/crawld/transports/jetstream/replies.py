@@ -4,7 +4,7 @@ Every settle is a request (the double ack) and so is every result event (its Pub
 one or two per task. nats-py's ``request`` draws a fresh token from ``os.urandom`` (a
 syscall) and wraps each wait in ``asyncio.wait_for``; here a counter names the reply
 subject and one timer bounds the wait, as nats.go's async publish does. Same answers,
-same timeout error (``asyncio.TimeoutError``).
+same timeout error (nats-py's, an ``asyncio.TimeoutError``).
 """
 from __future__ import annotations
 
@@ -63,4 +63,4 @@ class Replies:
 
 def _time_out(answer: asyncio.Future[Msg]) -> None:
     if not answer.done():
-        answer.set_exception(asyncio.TimeoutError())
+        answer.set_exception(nats.errors.TimeoutError())

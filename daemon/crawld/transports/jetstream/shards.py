@@ -35,6 +35,7 @@ from crawld.task import MalformedMessage, Task, parse_message
 from crawld.transports.jetstream.connection import API_TIMEOUT_S, log
 from crawld.transports.jetstream.leases import RENEW_EVERY_S, Plan, ShardLeases, open_bucket
 from crawld.transports.jetstream.pulls import Pull
+from crawld.transports.jetstream.replies import Replies
 from crawld.transports.jetstream.settle import Held, nak_payload
 from crawld.transports.jetstream.topology import (MSG_ID_HEADER, STREAM, consumer_config,
                                                   ensure_consumer_info,
@@ -88,6 +89,7 @@ class ShardMixin:
     _backlog: deque[Msg]
     _pull_cap: int | None
     _leases: ShardLeases | None
+    _replies: Replies
     _lease_task: asyncio.Task[None] | None
     _consuming: bool
     _closing: bool
