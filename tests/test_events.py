@@ -145,8 +145,8 @@ def test_jetstream_refused_event_gives_the_delivery_back_and_the_duplicate_annou
     server.start()
     try:
         rig = rig_factory("jetstream", server.url)
-        # A stream that owns the events' subjects keeps CRAWL_EVENTS from being declared
-        # again: the event has no stream to answer it.
+        # A stream on one subject inside crawl.event.> keeps CRAWL_EVENTS from being
+        # declared again (overlap): the event has no stream to answer it.
         refuse = lambda: asyncio.run(_swap_events_stream(server.url, blocker=True))  # noqa: E731
         allow = lambda: asyncio.run(_swap_events_stream(server.url, blocker=False))  # noqa: E731
         task_id = _refused_then_announced(rig, site, refuse, allow)
