@@ -46,8 +46,10 @@ class Rig:
                                        counts_deliveries=cfg.broker.transport == "jetstream")
         self.transport: Transport = make_transport(cfg, "t:1")
         self.deliveries: list[Delivery] = []
+        self.outcomes: list[tuple[Action, str]] = []    # what the worker would count
         self.closed = False
         self.transport.set_stop_check(lambda: False)
+        self.transport.set_settled_listener(lambda _d, s: self.outcomes.append((s.action, s.reason)))
         self.transport.connect()
         self.transport.start_consuming(self.deliveries.append, lambda: 4 - len(self.deliveries))
 
@@ -100,11 +102,13 @@ def _refused_then_announced(rig: Rig, site: Any, refuse: Callable[[], None],
     first = rig.handle_and_settle(rig.next_delivery())
     assert first.action is Action.ACK and first.event is not None
     assert rig.store.has_result(task.task_id)
+    assert rig.outcomes == [(Action.RELEASE, "event_unconfirmed")]   # not counted as done
     allow()
     again = rig.next_delivery()                  # given back, not acked
     assert again.message_id == task.task_id and again.attempt >= 1
     second = rig.handle_and_settle(again)
     assert (second.action, second.reason) == (Action.ACK, "duplicate")
+    assert rig.outcomes[1:] == [(Action.ACK, "duplicate")]
     assert second.event is not None and json.loads(second.event.body)["task_id"] == task.task_id
     assert site.hits(path) == 1                  # the redelivery did not fetch again
     return task.task_id

@@ -3,6 +3,7 @@ real local website, through every Action; RELEASE through a worker's drain; and 
 ``pipeline.middleware`` seam (loading, config errors, hook order)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -339,6 +340,8 @@ class ListTransport(Transport):
 
     def settle(self, delivery: Delivery, settlement: Settlement) -> None:
         self.settled.append((delivery, settlement))
+        if settlement.event is not None:     # a broker that confirms every event at once
+            self.event_settled(delivery, dataclasses.replace(settlement, event=None))
 
     def stop_consuming(self) -> None:
         pass

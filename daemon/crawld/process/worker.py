@@ -110,6 +110,7 @@ class Worker:
         self.transport.set_reconnect_listener(self.metrics.on_reconnect)
         self.transport.set_giveback_listener(self._on_giveback)
         self.transport.set_shard_listener(self.fetcher.limiter.shard_acquired)
+        self.transport.set_settled_listener(lambda _delivery, settlement: self._count(settlement))
         log.info("worker_starting", worker=self.worker_id, transport=self.transport.name,
                  threads=self.cfg.workers.threads, prefetch=self.cfg.queue.prefetch)
         if self.cfg.queue.prefetch > self.cfg.workers.threads:
@@ -280,7 +281,8 @@ class Worker:
         settlement = self.handler.handle(delivery)
         self.middleware.before_settle(delivery, settlement)
         self.transport.settle(delivery, settlement)
-        self._count(settlement)
+        if settlement.event is None:     # else counted once the transport knows (run())
+            self._count(settlement)
 
     def _count(self, settlement: Settlement) -> None:
         duplicate = settlement.reason == Reason.DUPLICATE

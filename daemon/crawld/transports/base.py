@@ -143,6 +143,17 @@ class Transport(abc.ABC):
         if listener is not None and given:
             listener(given)
 
+    def set_settled_listener(self, on_settled: Callable[[Delivery, Settlement], None]) -> None:
+        """Called on the I/O thread with how a delivery whose ACK / SKIP carried an event
+        ended: that ack once the event was confirmed, or the RELEASE that replaced it (the
+        worker counts those outcomes here, not when its pool thread handed them over)."""
+        self._on_settled = on_settled
+
+    def event_settled(self, delivery: Delivery, settlement: Settlement) -> None:
+        listener = getattr(self, "_on_settled", None)
+        if listener is not None:
+            listener(delivery, settlement)
+
     def set_shard_listener(self, on_acquired: Callable[[int], None]) -> None:
         """Called on the I/O thread when a shard starts delivering to this worker (again)."""
         self._on_shard = on_acquired

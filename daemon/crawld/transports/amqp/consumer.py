@@ -501,6 +501,8 @@ class AmqpTransport(Transport):
         settled = [(delivery, replace(settlement, event=None) if error is None
                     else unannounced(delivery, settlement, error, log, self.name))
                    for delivery, settlement, error in outcomes]
+        for delivery, settlement in settled:
+            self.event_settled(delivery, settlement)
         if self._conn is not None:
             self._enqueue(self._conn, settled)
         else:       # the next poll drains them as stale, which keeps the pending count exact

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping
 
 import nats.errors
@@ -55,6 +55,7 @@ class SettleMixin:
     _loop: asyncio.AbstractEventLoop
     _announcing: int            # settles waiting for their event's PubAck
     _replies: Replies
+    event_settled: Callable[[Delivery, Settlement], None]
     _nc: Client | None
     _js: JetStreamContext | None
     _held: dict[int, Held]
@@ -139,9 +140,12 @@ class SettleMixin:
                                         EVENT_TIMEOUT_S)
         finally:
             self._announcing -= 1
+        outcome = replace(settlement, event=None) if error is None else \
+            unannounced(held.delivery, settlement, error, log, "jetstream")
+        self.event_settled(held.delivery, outcome)
         if error is None:
             return True
-        await self._give_back(held, unannounced(held.delivery, settlement, error, log, "jetstream"))
+        await self._give_back(held, outcome)
         return False
 
     async def _retry(self, held: Held, settlement: Settlement) -> None:
