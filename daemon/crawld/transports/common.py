@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 from tenacity import AsyncRetrying, RetryError, Retrying, retry_if_exception_type, wait_random_exponential
@@ -180,10 +180,13 @@ def task_id_of(delivery: Delivery, settlement: Settlement, fallback: str = "") -
     return delivery.message_id or fallback
 
 
-def unannounced(delivery: Delivery, settlement: Settlement, error: str, log: Logger,
-                transport: str) -> Settlement:
-    """What an ACK / SKIP becomes when its result event was not confirmed: the delivery
-    goes back, and its redelivery (a duplicate, no fetch) announces the stored row again."""
+def event_outcome(delivery: Delivery, settlement: Settlement, error: str | None, log: Logger,
+                  transport: str) -> Settlement:
+    """How an ACK / SKIP that carried a result event ends: itself once the event is
+    confirmed (``error`` None); else the delivery goes back (logged), and its redelivery
+    (a duplicate, no fetch) announces the stored row again."""
+    if error is None:
+        return replace(settlement, event=None)
     task = settlement.task
     log.warning("event_unconfirmed", transport=transport, task_id=task_id_of(delivery, settlement),
                 url=task.url if task is not None else "", attempt=delivery.attempt, error=error)

@@ -25,7 +25,6 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import replace
 from typing import Any, Callable
 
 import pika
@@ -42,7 +41,7 @@ from crawld.transports.amqp.topology import (TIER_HEADER, dead_queue_name, decla
 from crawld.transports.base import (ATTEMPT_HEADER, Action, Delivery, DeliveryCallback, Settlement,
                                     Transport, tier_for)
 from crawld.transports.common import (Generations, PendingSettlements, complete, dispatch,
-                                      forward_headers, task_id_of, unannounced)
+                                      event_outcome, forward_headers, task_id_of)
 
 HANDOVER = "shard_handover"     # the reason header of a copy passed on to a shard's next owner
 
@@ -206,8 +205,7 @@ class AmqpTransport(Transport):
             return
         if not self._events.is_open:      # e.g. the exchange was deleted under a publish
             raise pex.ChannelClosed(0, "events channel closed by broker")
-        self._events.expire()
-        self._drain_inbox()
+        self._events.expire()     # what expires is queued with a wake-up, like a confirm
 
     def _reconnect(self) -> None:
         self.reconnects += 1
@@ -498,8 +496,7 @@ class AmqpTransport(Transport):
     def _on_event_outcomes(self, outcomes: list[Outcome]) -> None:
         """Connection thread, inside process_data_events: queue the acks (or releases) of
         confirmed (or failed) events, drained as soon as that call returns."""
-        settled = [(delivery, replace(settlement, event=None) if error is None
-                    else unannounced(delivery, settlement, error, log, self.name))
+        settled = [(delivery, event_outcome(delivery, settlement, error, log, self.name))
                    for delivery, settlement, error in outcomes]
         for delivery, settlement in settled:
             self.event_settled(delivery, settlement)

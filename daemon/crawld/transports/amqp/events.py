@@ -59,10 +59,6 @@ class EventChannel:
     def is_open(self) -> bool:
         return bool(self._channel.is_open)
 
-    @property
-    def unconfirmed(self) -> int:
-        return len(self._outstanding)
-
     def publish(self, delivery: Delivery, settlement: Settlement) -> None:
         """Buffered; sent with the rest of the burst when the connection is next polled."""
         event = settlement.event

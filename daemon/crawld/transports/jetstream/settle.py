@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
 
 import nats.errors
@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from crawld.config import Config
 from crawld.transports.base import EVENT_TIMEOUT_S, Action, Delivery, Settlement
 from crawld.transports.common import (Generations, PendingSettlements, complete, dispatch,
-                                      forward_headers, task_id_of, unannounced)
+                                      event_outcome, forward_headers, task_id_of)
 from crawld.transports.jetstream.connection import API_TIMEOUT_S, log
 from crawld.transports.jetstream.events import publish_event
 from crawld.transports.jetstream.replies import Replies
@@ -140,8 +140,7 @@ class SettleMixin:
                                         EVENT_TIMEOUT_S)
         finally:
             self._announcing -= 1
-        outcome = replace(settlement, event=None) if error is None else \
-            unannounced(held.delivery, settlement, error, log, "jetstream")
+        outcome = event_outcome(held.delivery, settlement, error, log, "jetstream")
         self.event_settled(held.delivery, outcome)
         if error is None:
             return True
