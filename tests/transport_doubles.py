@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from nats.aio.msg import Msg
 
@@ -14,11 +15,13 @@ class CrashingJetStreamTransport(JetStreamTransport):
     the server has answered (what a crash at this moment can no longer turn into a
     duplicate)."""
 
-    answered = 0
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.answered: list[int] = []    # stream seqs; appended on the loop thread only
 
     async def _reply(self, msg: Msg, payload: bytes, settlement: Settlement) -> None:
         await super()._reply(msg, payload, settlement)
-        self.answered += 1   # on the loop thread only: no lock needed
+        self.answered.append(msg.metadata.sequence.stream)
 
     def abort(self) -> None:
         """Close without releasing anything, as a crash would: the server redelivers the
