@@ -234,6 +234,49 @@ def test_a_site_with_90_percent_of_the_urls_does_not_stall_the_rest(make_crawld,
     _log(f"one site with 90% of 500 URLs ({transport}): the other sites finished when it had {big_done}/450")
 
 
+def _peak_overlap(starts: list[float], page_s: float) -> int:
+    """Requests in flight at once over all sites, from the sites' start times."""
+    return max(sum(1 for t in starts if s - page_s < t <= s) for s in starts)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_sites_surplus_waits_without_a_thread_and_a_drain_gives_it_back(make_crawld, sites, transport):
+    """One slot a site, four threads: the busy site's surplus is parked (status shows it
+    waiting for its site), so the threads fetch four sites at once instead of waiting on
+    one; no task is put back for politeness. A drain gives the parked ones back unstarted,
+    and the next run finishes them: none lost, none stored twice."""
+    daemon = make_crawld(transport, workers={"count": 1, "threads": 4}, queue={"prefetch": 4},
+                         fetch={"per_host_concurrency": 1, "allow_networks": ["127.0.0.0/8"]})
+    key, page_s = _key(), 0.3
+    busy, others = sites[0], sites[1:4]
+    urls = [busy.url(f"/slow/{page_s}/{key}-b{i}") for i in range(16)]
+    urls += [o.url(f"/slow/{page_s}/{key}-o{i}") for o in others for i in range(6)]
+    assert daemon.publish(urls).returncode == 0
+    daemon.start()
+    waiting = wait_for_status(daemon, lambda r: any(w.get("waiting_for_site", 0) >= 1
+                                                    for w in r["supervisor"]["workers"]))
+    assert all(w["inflight"] >= w["waiting_for_site"] for w in waiting["supervisor"]["workers"])
+    wait_until(lambda: sum(o.total_hits(f"/slow/{page_s}/{key}-o") for o in others) >= 18, 30,
+               what="the other sites done")
+    assert daemon.stop() == 0
+    drained = daemon.events("worker_drained")
+    assert drained and drained[-1]["released"] >= 1, drained    # the busy site's parked tasks
+    daemon.start()
+    daemon.wait_finished(len(urls), timeout=60)
+    assert daemon.stop() == 0
+    rc, rec = daemon.reconcile()
+    assert rc == 0 and rec["lost"] == [] and rec["done"] == len(urls), rec
+    assert daemon.count("results", "writes > 1") == 0 and daemon.count("dead") == 0
+    for site in sites[:4]:
+        assert site.max_concurrent(f"/slow/{page_s}/{key}") == 1, site.base_url
+    assert not daemon.events("task_postponed")           # nothing put back to wait for a slot
+    starts = [t for site in sites[:4] for t in site.start_times(f"/slow/{page_s}/{key}")]
+    peak = _peak_overlap(sorted(starts), page_s)
+    assert peak == 4, peak                               # every thread fetching, one per site
+    _log(f"parked surplus ({transport}): {waiting['supervisor']['workers'][0]['waiting_for_site']} "
+         f"waiting for their site, peak {peak} fetches at once, {drained[-1]['released']} given back by the drain")
+
+
 def _one_worker_under_load(make_crawld, sites, transport: str = "amqp") -> Crawld:
     """One worker serving ten sites' 600 tasks (the rest waits in their shards)."""
     daemon = make_crawld(transport, workers={"count": 1, "threads": 4}, queue={"prefetch": 4},

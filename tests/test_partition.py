@@ -286,3 +286,24 @@ def test_site_of_fast_path_agrees_with_urlsplit():
         assert site_of(url) == reference(url), url
         fast += _PLAIN_HOST.match(url.strip()) is not None
     assert fast > 100      # the fast path is taken, not only the fallback
+
+
+def test_site_gate_parks_a_full_sites_surplus_and_passes_each_slot_on() -> None:
+    """Two slots a site: the third delivery of a site waits without a thread, and takes
+    the slot of the first one that finishes; other sites and site-less ones go straight on."""
+    from crawld.process.sitegate import SiteGate
+
+    def delivery(site: str | None) -> Delivery:
+        return Delivery(body=(site or "").encode(), message_id=None, attempt=1, redelivered=False,
+                        origin="q", handle=None)
+    gate = SiteGate(2, lambda d: d.body.decode() or None)
+    a1, a2, a3, a4, b1, bad = (delivery(s) for s in ["a", "a", "a", "a", "b", None])
+    assert [gate.admit(d) for d in (a1, a2, a3, a4, b1, bad)] == [True, True, False, False, True, True]
+    assert gate.parked == 2
+    assert gate.finished(b1) is None and gate.finished(bad) is None     # nothing of theirs waits
+    assert gate.finished(a1) is a3 and gate.parked == 1                 # oldest first, same site
+    assert gate.finished(a2, pass_on=False) is None and gate.parked == 1  # draining: no new start
+    assert gate.discard([a1, a4]) == [a4] and gate.parked == 0          # given back by the broker
+    assert gate.finished(a3) is None
+    assert gate.admit(a1) and gate.admit(a2) and not gate.admit(a3)     # the site's count is back to 0
+    assert gate.take_parked() == [a3] and gate.parked == 0 and gate.take_parked() == []

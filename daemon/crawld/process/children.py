@@ -73,7 +73,8 @@ class Child:
         """This worker's entry in the supervisor state file."""
         counter = self.status.get
         return {"pid": self.pid, "slot": self.slot, "generation": self.generation,
-                "state": self.phase, "inflight": counter("inflight", 0), "done": counter("done", 0),
+                "state": self.phase, "inflight": counter("inflight", 0),
+                "waiting_for_site": counter("waiting_for_site", 0), "done": counter("done", 0),
                 "retried": counter("retried", 0), "dead": counter("dead", 0),
                 "redelivered": counter("redelivered", 0), "stats": counter("stats", {}),
                 "deferred": counter("deferred", 0), "paused_reason": counter("paused_reason", ""),

@@ -22,7 +22,7 @@ from typing import Any
 from crawld.config import Config, runtime_dir, warc_directory
 from crawld.fetch import Fetcher
 from crawld.fetch.sites import SiteLimiter
-from crawld.fleet.partition import partition_key_of_host, shard_of_key
+from crawld.fleet.partition import partition_key_of_host, shard_of_key, site_of
 from crawld.logs import get_logger
 from crawld.metrics import Metrics
 from crawld.output.sinks import BodySink, make_body_sink
@@ -34,9 +34,11 @@ from crawld.pipeline.middleware import Middleware, MiddlewareChain, load_middlew
 from crawld.pipeline.outcomes import Reason
 from crawld.process.heartbeat import Heartbeat
 from crawld.process.pause import Change, Pause, write_probe
+from crawld.process.sitegate import SiteGate
 from crawld.process.states import Phase
 from crawld.stats import Stats
 from crawld.store import Store
+from crawld.task import MalformedMessage, parse_message
 from crawld.transports.base import Action, Delivery, Settlement, TopologyError, Transport
 
 log = get_logger("crawld.worker")
@@ -88,6 +90,10 @@ class Worker:
         self._lock = threading.Lock()
         self._futures: dict[Future, Delivery] = {}
         self._started: set[int] = set()         # id() of deliveries a pool thread picked up
+        # A shard owner's tasks wait for their site without a thread (the only process that
+        # may fetch them is this one); without partitioning politeness is per machine.
+        self.gate = (SiteGate(cfg.fetch.per_host_concurrency, self._site_of)
+                     if cfg.queue.partition != "none" else None)
         self._fast_stop = False
         self._parent = os.getppid()
         self._beat = Heartbeat.from_env()
@@ -175,7 +181,12 @@ class Worker:
         self._set_state(Phase.RUNNING)
 
     def _on_giveback(self, deliveries: list[Delivery]) -> None:
-        """I/O thread: a lost connection or a close handed these back; forgive them."""
+        """I/O thread: a lost connection or a close handed these back; forgive them. The
+        parked ones are dropped: the broker delivers them again, fetching them here would
+        be for nothing (their settlement could no longer reach the broker)."""
+        if self.gate is not None:
+            with self._lock:
+                self.state.inflight -= len(self.gate.discard(deliveries))
         self.handler.forgive(deliveries)
         log.info("deliveries_forgiven", worker=self.worker_id, count=len(deliveries),
                  reason="connection lost or closed")
@@ -187,10 +198,11 @@ class Worker:
         started = time.monotonic()
         self._set_state(Phase.DRAINING)
         self.transport.stop_consuming()
-        released = self._release_unstarted()
+        released = self._release_parked() + self._release_unstarted()
         deadline = started + self.cfg.workers.drain_timeout_s
         while (self._inflight() or self.transport.pending_settlements()) and time.monotonic() < deadline:
             self.transport.poll(0.1)
+            released += self._release_parked()      # a pull answered during the drain
             self._heartbeat()
         leftover = self._inflight()
         self.transport.close()
@@ -238,6 +250,17 @@ class Worker:
                 released += 1
         return released
 
+    def _release_parked(self) -> int:
+        """Deliveries parked for their site go back at once: they never started."""
+        if self.gate is None:
+            return 0
+        with self._lock:
+            parked = self.gate.take_parked()
+            self.state.inflight -= len(parked)
+        for delivery in parked:
+            self.transport.settle(delivery, self.handler.release(delivery))
+        return len(parked)
+
     def _unstarted(self) -> list[tuple[Future, Delivery]]:
         with self._lock:
             return [(f, d) for f, d in self._futures.items() if id(d) not in self._started]
@@ -245,12 +268,17 @@ class Worker:
     # -- deliveries ------------------------------------------------------------------
     def _free_slots(self) -> int:
         """How many more deliveries a pull transport may take: queue.prefetch bounds what a
-        worker holds (as basic.qos does for AMQP), the thread count what it can start.
+        worker may start (as basic.qos does for AMQP), the thread count what it can start.
+        Deliveries parked for their site take no thread, so more may come while they wait;
+        never more than one hand of them (as the AMQP shard windows allow twice the hand).
         Also while draining: a pull already answered is better processed than given back."""
         if self.pause.reason:
             return 0
         limit = min(self.cfg.workers.threads, self.cfg.queue.prefetch)
-        return max(0, limit - self._inflight())
+        with self._lock:
+            held = self.state.inflight
+            parked = self.gate.parked if self.gate is not None else 0
+        return max(0, min(limit - (held - parked), 2 * limit - held))
 
     def _inflight(self) -> int:
         with self._lock:
@@ -259,20 +287,43 @@ class Worker:
     def _on_delivery(self, delivery: Delivery) -> None:
         """I/O thread: never does the work, only hands it to the pool."""
         self.metrics.on_received(delivery.redelivered)
+        future = None
         with self._lock:
             self.state.inflight += 1
             self.state.redelivered += delivery.redelivered
-            future = self.pool.submit(self._process, delivery)
-            self._futures[future] = delivery
-        future.add_done_callback(self._forget)
+            if self.gate is None or self.gate.admit(delivery):
+                future = self._submit(delivery)
+        if future is not None:      # outside the lock: a future already done calls _forget now
+            future.add_done_callback(self._forget)
         self.metrics.set_inflight(self._inflight())
 
+    def _submit(self, delivery: Delivery) -> Future:
+        """Under the lock."""
+        future = self.pool.submit(self._process, delivery)
+        self._futures[future] = delivery
+        return future
+
+    def _site_of(self, delivery: Delivery) -> str | None:
+        try:
+            task = parse_message(delivery.body, delivery.message_id, self.cfg.queue.max_message_bytes)
+        except MalformedMessage:
+            return None
+        return site_of(task.url) or None
+
     def _forget(self, future: Future) -> None:
+        successor = None
         with self._lock:
             delivery = self._futures.pop(future, None)
-            if delivery is not None:
-                self.state.inflight -= 1
-                self._started.discard(id(delivery))
+            if delivery is None:
+                return
+            self.state.inflight -= 1
+            self._started.discard(id(delivery))
+            # Draining: the slot is not passed on; the drain gives the parked ones back.
+            parked = self.gate.finished(delivery, pass_on=not self._stop) if self.gate else None
+            if parked is not None:
+                successor = self._submit(parked)
+        if successor is not None:
+            successor.add_done_callback(self._forget)
 
     def _process(self, delivery: Delivery) -> None:
         """Pool thread: handle one delivery and settle it exactly once."""
@@ -321,8 +372,8 @@ class Worker:
         if not self._beat.due(force):
             return
         with self._lock:
-            snapshot = dict(self.state.__dict__, pid=os.getpid(),
-                            connected=self.transport.connected)
+            snapshot = dict(self.state.__dict__, pid=os.getpid(), connected=self.transport.connected,
+                            waiting_for_site=self.gate.parked if self.gate is not None else 0)
         snapshot["stats"] = self.fetcher.stats.snapshot()
         snapshot.update(self._fleet())
         self.metrics.set_inflight(snapshot["inflight"])

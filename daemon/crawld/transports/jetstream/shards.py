@@ -163,7 +163,7 @@ class ShardMixin:
             if free <= 0:
                 return                 # drained shards wait while busy ones want slots
             # No shard beyond its window: a big pull of one shard would bring many pages
-            # of its few sites, which only wait for their politeness slots, on threads.
+            # of its few sites, which only wait for their politeness slots.
             room = free if cap is None else cap - in_hand.get(pull.shard, 0)
             if room > 0:
                 self._grant(pull, min(free, pull.pending, MAX_FETCH_BATCH, room), FETCH_EXPIRY_S, now)
