@@ -235,8 +235,8 @@ def test_a_worker_at_its_share_steps_back_from_busy_shards_it_does_not_own():
 
 @pytest.mark.parametrize("prefetch, threads, workers, per_host, expected", [
     (16, 16, 2, 2, 4),        # the defaults: 2 x per_host_concurrency, as before
-    (256, 256, 2, 2, 16),     # 32 shards each: 2 x 256 / 32, not 4 (half the threads idle)
-    (256, 256, 1, 2, 8),
+    (256, 256, 2, 2, 32),     # 32 shards each: 4 x 256 / 32, not 4 (half the threads idle)
+    (256, 256, 1, 2, 16),
     (8, 256, 2, 2, 4),        # the worker's prefetch bounds its hand
     (2, 16, 2, 8, 2),         # never above queue.prefetch
     (16, 16, 0, 1, 2),        # scaled to zero workers: still a valid window
@@ -253,7 +253,7 @@ def test_shard_pull_cap_only_where_spreading_a_large_hand_sets_the_window() -> N
     from crawld.config import Config, QueueConfig, WorkersConfig
     wide = Config(queue=QueueConfig(prefetch=256), workers=WorkersConfig(threads=256, count=2))
     small = Config(queue=QueueConfig(prefetch=8), workers=WorkersConfig(threads=8, count=2))
-    assert shard_pull_cap(wide) == shard_window(wide) == 16
+    assert shard_pull_cap(wide) == shard_window(wide) == 32
     assert shard_pull_cap(small) is None and shard_window(small) == 4    # 2 x per_host_concurrency
     assert shard_pull_cap(Config()) is None
 
@@ -288,22 +288,33 @@ def test_site_of_fast_path_agrees_with_urlsplit():
     assert fast > 100      # the fast path is taken, not only the fallback
 
 
-def test_site_gate_parks_a_full_sites_surplus_and_passes_each_slot_on() -> None:
-    """Two slots a site: the third delivery of a site waits without a thread, and takes
-    the slot of the first one that finishes; other sites and site-less ones go straight on."""
+def test_site_gate_gives_a_free_thread_to_the_site_with_the_fewest_fetches_running() -> None:
+    """Two slots a site. Parked tasks start oldest first, from the site with the fewest
+    fetches running; a site at its limit waits for one of its own to finish; site-less
+    deliveries are not parked (the handler judges them); a drain takes every parked task."""
     from crawld.process.sitegate import SiteGate
 
     def delivery(site: str | None) -> Delivery:
         return Delivery(body=(site or "").encode(), message_id=None, attempt=1, redelivered=False,
                         origin="q", handle=None)
     gate = SiteGate(2, lambda d: d.body.decode() or None)
-    a1, a2, a3, a4, b1, bad = (delivery(s) for s in ["a", "a", "a", "a", "b", None])
-    assert [gate.admit(d) for d in (a1, a2, a3, a4, b1, bad)] == [True, True, False, False, True, True]
-    assert gate.parked == 2
-    assert gate.finished(b1) is None and gate.finished(bad) is None     # nothing of theirs waits
-    assert gate.finished(a1) is a3 and gate.parked == 1                 # oldest first, same site
-    assert gate.finished(a2, pass_on=False) is None and gate.parked == 1  # draining: no new start
-    assert gate.discard([a1, a4]) == [a4] and gate.parked == 0          # given back by the broker
-    assert gate.finished(a3) is None
-    assert gate.admit(a1) and gate.admit(a2) and not gate.admit(a3)     # the site's count is back to 0
-    assert gate.take_parked() == [a3] and gate.parked == 0 and gate.take_parked() == []
+    a1, a2, a3, a4, b1, b2, bad = (delivery(s) for s in ["a", "a", "a", "a", "b", "b", None])
+    assert [gate.park(d) for d in (a1, a2, a3, a4, b1, b2, bad)] == [True] * 6 + [False]
+    assert gate.parked == 6
+    assert gate.next() is a1 and gate.next() is b1       # one each before any site gets two
+    assert gate.next() is a2 and gate.next() is b2
+    assert gate.next() is None                           # a is at its limit, b has none left
+    gate.finished(b1)
+    assert gate.next() is None                           # b has a free slot but nothing parked
+    gate.finished(a1)
+    assert gate.next() is a3 and gate.parked == 1 and gate.next() is None
+    c1 = delivery("c")
+    assert gate.park(c1)
+    gate.finished(a2)
+    assert gate.next() is c1                             # c runs nothing: before a's second
+    assert gate.next() is a4 and gate.parked == 0
+    for d in (a3, a4, b2, c1):
+        gate.finished(d)
+    assert gate.park(a1) and gate.park(a2) and gate.park(a3)
+    assert gate.discard([a2, b1]) == [a2] and gate.parked == 2     # given back by the broker
+    assert gate.take_parked() == [a1, a3] and gate.parked == 0 and gate.next() is None

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from crawld.config import Config
 
 PARTITION_MODES = ("host", "domain", "none")
+# A worker holding its fair share of the shards may hold this many hands of tasks in all
+# (the shard windows' sum): the surplus waits for its sites in the worker without a thread.
+HANDS_HELD = 4
 
 
 # A URL whose host urlsplit would return as it stands: lower-case letters, digits, dots and
@@ -87,16 +90,19 @@ def shard_window(cfg: "Config") -> int:
     """How many of one shard's tasks a worker holds at once (AMQP: the shard consumer's
     prefetch; JetStream: the cap on what its pulls bring in, where the second rule sets it).
 
-    Small enough that one site's shard cannot fill the worker with tasks that would only
-    wait for that site's politeness slots: at least 2 x per_host_concurrency, no more than
-    needed. Big enough that a worker holding its fair share of the shards (shards / this
-    host's workers) fills its threads although shards get unequal numbers of sites
-    (hashing): twice its window over that share. 500 sites on 2 x 256 threads: 16, where
-    2 x per_host_concurrency alone (4) left half the threads idle.
+    At least 2 x per_host_concurrency and never above queue.prefetch. Big enough that a
+    worker holding its fair share of the shards (shards / this host's workers) has tasks
+    of every site waiting although shards get unequal numbers of sites (hashing):
+    HANDS_HELD times its hand over that share. What waits for its site's politeness slots
+    waits in the worker without a thread (process/sitegate.py), and free threads go to the
+    sites running the fewest fetches, so sites progress evenly only if the sites of a big
+    shard have tasks of their own waiting too. 500 sites on 2 x 256 threads: 32 (at 16 the
+    3-site shards' sites were done in half the time and the 15-site shards' made a tail;
+    at 2 x per_host_concurrency = 4, half the threads were idle).
     """
     hand = min(cfg.queue.prefetch, cfg.workers.threads)
     fair_share = math.ceil(cfg.queue.shards / max(1, cfg.workers.count))
-    spread = math.ceil(2 * hand / fair_share)
+    spread = math.ceil(HANDS_HELD * hand / fair_share)
     return max(1, min(cfg.queue.prefetch, max(2 * cfg.fetch.per_host_concurrency, spread)))
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from crawld.config import Config, runtime_dir, warc_directory
 from crawld.fetch import Fetcher
 from crawld.fetch.sites import SiteLimiter
-from crawld.fleet.partition import partition_key_of_host, shard_of_key, site_of
+from crawld.fleet.partition import HANDS_HELD, partition_key_of_host, shard_of_key, site_of
 from crawld.logs import get_logger
 from crawld.metrics import Metrics
 from crawld.output.sinks import BodySink, make_body_sink
@@ -269,8 +269,9 @@ class Worker:
     def _free_slots(self) -> int:
         """How many more deliveries a pull transport may take: queue.prefetch bounds what a
         worker may start (as basic.qos does for AMQP), the thread count what it can start.
-        Deliveries parked for their site take no thread, so more may come while they wait;
-        never more than one hand of them (as the AMQP shard windows allow twice the hand).
+        Deliveries parked for their sites take no thread, so more may come while the threads
+        are busy with others, up to HANDS_HELD hands in all: as many as the AMQP shard
+        windows of a fair share allow, enough that every site has tasks of its own waiting.
         Also while draining: a pull already answered is better processed than given back."""
         if self.pause.reason:
             return 0
@@ -278,7 +279,7 @@ class Worker:
         with self._lock:
             held = self.state.inflight
             parked = self.gate.parked if self.gate is not None else 0
-        return max(0, min(limit - (held - parked), 2 * limit - held))
+        return max(0, min(limit - (held - parked), HANDS_HELD * limit - held))
 
     def _inflight(self) -> int:
         with self._lock:
@@ -287,13 +288,14 @@ class Worker:
     def _on_delivery(self, delivery: Delivery) -> None:
         """I/O thread: never does the work, only hands it to the pool."""
         self.metrics.on_received(delivery.redelivered)
-        future = None
         with self._lock:
             self.state.inflight += 1
             self.state.redelivered += delivery.redelivered
-            if self.gate is None or self.gate.admit(delivery):
-                future = self._submit(delivery)
-        if future is not None:      # outside the lock: a future already done calls _forget now
+            if self.gate is not None and self.gate.park(delivery):
+                futures = self._start_parked()
+            else:
+                futures = [self._submit(delivery)]
+        for future in futures:      # outside the lock: a future already done calls _forget now
             future.add_done_callback(self._forget)
         self.metrics.set_inflight(self._inflight())
 
@@ -303,6 +305,17 @@ class Worker:
         self._futures[future] = delivery
         return future
 
+    def _start_parked(self) -> list[Future]:
+        """Under the lock: parked deliveries for the threads that are free, the sites with
+        the fewest fetches running first."""
+        started = []
+        while len(self._futures) < self.cfg.workers.threads:
+            delivery = self.gate.next() if self.gate is not None else None
+            if delivery is None:
+                break
+            started.append(self._submit(delivery))
+        return started
+
     def _site_of(self, delivery: Delivery) -> str | None:
         try:
             task = parse_message(delivery.body, delivery.message_id, self.cfg.queue.max_message_bytes)
@@ -311,18 +324,18 @@ class Worker:
         return site_of(task.url) or None
 
     def _forget(self, future: Future) -> None:
-        successor = None
+        started: list[Future] = []
         with self._lock:
             delivery = self._futures.pop(future, None)
             if delivery is None:
                 return
             self.state.inflight -= 1
             self._started.discard(id(delivery))
-            # Draining: the slot is not passed on; the drain gives the parked ones back.
-            parked = self.gate.finished(delivery, pass_on=not self._stop) if self.gate else None
-            if parked is not None:
-                successor = self._submit(parked)
-        if successor is not None:
+            if self.gate is not None:
+                self.gate.finished(delivery)
+                if not self._stop:     # draining: the drain gives the parked ones back
+                    started = self._start_parked()
+        for successor in started:
             successor.add_done_callback(self._forget)
 
     def _process(self, delivery: Delivery) -> None:
