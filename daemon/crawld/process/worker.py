@@ -22,7 +22,7 @@ from typing import Any
 from crawld.config import Config, runtime_dir, warc_directory
 from crawld.fetch import Fetcher
 from crawld.fetch.sites import SiteLimiter
-from crawld.fleet.partition import HANDS_HELD, partition_key_of_host, shard_of_key, site_of
+from crawld.fleet.partition import HANDS_HELD, partition_key_of_host, shard_of_key, shard_pull_cap, site_of
 from crawld.logs import get_logger
 from crawld.metrics import Metrics
 from crawld.output.sinks import BodySink, make_body_sink
@@ -94,6 +94,10 @@ class Worker:
         # may fetch them is this one); without partitioning politeness is per machine.
         self.gate = (SiteGate(cfg.fetch.per_host_concurrency, self._site_of)
                      if cfg.queue.partition != "none" else None)
+        # More than a hand only where the shard pulls are capped (a large hand spread over
+        # many shards): every task a SIGKILLed worker holds counts as a delivery, so a
+        # small worker holds no more than it can start, as before.
+        self._hands_held = HANDS_HELD if shard_pull_cap(cfg) is not None else 1
         self._fast_stop = False
         self._parent = os.getppid()
         self._beat = Heartbeat.from_env()
@@ -270,8 +274,9 @@ class Worker:
         """How many more deliveries a pull transport may take: queue.prefetch bounds what a
         worker may start (as basic.qos does for AMQP), the thread count what it can start.
         Deliveries parked for their sites take no thread, so more may come while the threads
-        are busy with others, up to HANDS_HELD hands in all: as many as the AMQP shard
-        windows of a fair share allow, enough that every site has tasks of its own waiting.
+        are busy with others: with a large hand over many shards, up to HANDS_HELD hands in
+        all, as the AMQP shard windows of a fair share allow, so that every site has tasks
+        of its own waiting.
         Also while draining: a pull already answered is better processed than given back."""
         if self.pause.reason:
             return 0
@@ -279,7 +284,7 @@ class Worker:
         with self._lock:
             held = self.state.inflight
             parked = self.gate.parked if self.gate is not None else 0
-        return max(0, min(limit - (held - parked), HANDS_HELD * limit - held))
+        return max(0, min(limit - (held - parked), self._hands_held * limit - held))
 
     def _inflight(self) -> int:
         with self._lock:
