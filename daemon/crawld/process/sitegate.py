@@ -44,7 +44,7 @@ class SiteGate:
         queue = self._parked.get(site)
         if queue is None:
             queue = self._parked[site] = deque()
-            self._refile(site, None)
+            self._file(site, self._running.get(site, 0))
         queue.append(delivery)
         self.parked += 1
         return True
@@ -79,7 +79,7 @@ class SiteGate:
         else:
             del self._running[site]
         if site in self._parked:
-            self._refile(site, running)
+            self._unfile(site, running)
             self._file(site, running - 1)
 
     def discard(self, deliveries: list[Delivery]) -> list[Delivery]:
@@ -93,7 +93,7 @@ class SiteGate:
                 (removed if id(parked) in ids else kept).append(parked)
             if not kept:
                 del self._parked[site]
-                self._refile(site, self._running.get(site, 0))
+                self._unfile(site, self._running.get(site, 0))
             else:
                 self._parked[site] = kept
         self.parked -= len(removed)
@@ -108,13 +108,10 @@ class SiteGate:
         return parked
 
     # -- the ready lists ------------------------------------------------------------------
-    def _refile(self, site: str, old: int | None) -> None:
-        """Out of the ready list for ``old`` fetches running; when ``old`` is None (a site
-        that just got parked tasks), into the one for its current count."""
-        if old is None:
-            self._file(site, self._running.get(site, 0))
-        elif old < len(self._ready):
-            self._ready[old].pop(site, None)
+    def _unfile(self, site: str, running: int) -> None:
+        """Out of the ready list for ``running`` fetches (in none at the limit)."""
+        if running < len(self._ready):
+            self._ready[running].pop(site, None)
 
     def _file(self, site: str, running: int) -> None:
         if running >= self.limit:
