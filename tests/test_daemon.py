@@ -1,6 +1,7 @@
 """The walking slice end to end: real broker, real `crawld` processes, real signals."""
 from __future__ import annotations
 
+import json
 import signal
 import time
 import uuid
@@ -130,6 +131,23 @@ def test_publish_twice_is_idempotent(make_crawld, site, transport, rabbit, nats)
     assert daemon.count("outbox") == 50
     if transport == "amqp":
         assert rabbit.work_depth(daemon_queue(daemon)) == 50
+        assert _queued_urls(rabbit.url, daemon.work_queue_of(urls[0])) == urls, "published in the file's order"
+
+
+def _queued_urls(amqp_url: str, queue: str) -> list[str]:
+    """The URLs waiting in ``queue``, head first (read without consuming them)."""
+    import pika
+    conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        ch = conn.channel()
+        bodies = []     # consumed, not got: shard queues have a single active consumer
+        for method, _props, body in ch.consume(queue, inactivity_timeout=1.0):
+            if method is None:
+                break
+            bodies.append(json.loads(body)["url"])
+        return bodies           # unacked: back in the queue, in order, when the channel closes
+    finally:
+        conn.close()
 
 
 def test_publish_to_missing_queue_stays_new(make_crawld, site):

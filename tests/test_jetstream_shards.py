@@ -157,6 +157,36 @@ def test_busy_shards_are_spread_not_just_counted(js_server: NatsServer) -> None:
          f"(owned {[len(w.owned) for w in workers]})")
 
 
+def test_no_busy_hand_off_while_shards_are_unowned(js_server: NatsServer) -> None:
+    """b has claimed 2 of its 6 shards so far (its second round of claims is under way):
+    a, with 6 busy shards, must not take b's busy count of 2 at face value and hand off.
+    Once every shard is owned and b still holds no busy one, a hands off to it."""
+    busy = set(range(6))
+
+    async def scenario() -> None:
+        nc = await natspy.connect(js_server.url)
+        try:
+            kv = await open_bucket(nc.jetstream(timeout=5), replicas=1)
+            a, b = (ShardLeases(kv, f"host-{n}:1", 12, busy=busy.__contains__, first_claim_after_s=0)
+                    for n in "ab")
+            for shard in range(6):
+                assert await a.claim(shard, None)
+            for shard in (6, 7):
+                assert await b.claim(shard, None)
+            await b.tick(claim=False)                    # b announces: 2 owned, 0 busy
+            plan = await a.tick()
+            assert plan.excess == [] and plan.claimed == [], "4 shards unowned: counts are moving"
+            await b.tick()                               # b claims the rest of its quota
+            assert sorted(b.owned) == list(range(6, 12))
+            await b.tick(claim=False)                    # and announces 6 owned
+            plan = await a.tick()
+            assert len(plan.excess) == 3, plan           # 6 busy here, 0 there: fair is 3
+        finally:
+            await nc.close()
+
+    run_async(scenario())
+
+
 # -- transports: an existing deployment upgrades; rebalancing waits for in-flight work ----------
 def _cfg(url: str, **queue: Any) -> Config:
     cfg = Config().replace("broker", transport="jetstream", url=url, reconnect_max_s=1.0)

@@ -45,6 +45,27 @@ def test_outbox_is_idempotent_and_tracks_confirms(store):
     assert counts["confirmed"] == 7 and counts["unconfirmed"] == 3
 
 
+def test_outbox_pages_through_new_rows_in_the_order_they_were_added(store):
+    """A frontier's order (round-robin over sites) survives the outbox: task id order
+    would scatter it. Pages follow on from each other; confirmed rows drop out."""
+    first = [new_task(f"http://site{i % 3}/{i // 3}") for i in range(9)]
+    later = [new_task(f"http://site{i % 3}/late{i}") for i in range(4)]
+    assert [t.task_id for t in first] != sorted(t.task_id for t in first)
+    store.outbox_add(first)
+    store.outbox_insert(later)
+    store.outbox_add(first[:2])                      # already there: keeps its place
+    store.outbox_mark_confirmed([first[4].task_id])
+    pages = list(store.outbox_unconfirmed_pages(3))
+    assert [len(p) for p in pages] == [3, 3, 3, 3]
+    expected = [t.task_id for t in first + later if t is not first[4]]
+    assert [t.task_id for p in pages for t in p] == expected
+    if store.url.startswith("sqlite"):
+        plan = " ".join(str(r) for r in store.query(
+            "EXPLAIN QUERY PLAN SELECT task_id FROM outbox WHERE state = 'new' AND "
+            "(created_at, task_id) > (0, '') ORDER BY created_at, task_id LIMIT 3"))
+        assert "outbox_state_order" in plan and "TEMP B-TREE" not in plan, plan   # no sort per page
+
+
 def test_result_upsert_one_row_per_task(store):
     store.put_result(_result("a"))
     store.put_result(_result("a", status="http_error", worker="w2"))

@@ -79,16 +79,15 @@ def publish_file(cfg: Config, store: Store, stream: IO[str], round_: str,
 def publish_unconfirmed(cfg: Config, store: Store,
                         progress: Callable[[int, int], None] | None = None,
                         declare: bool = True) -> PublishReport:
-    """Publish every outbox row still ``new`` (this run's and earlier runs' leftovers),
-    a page at a time; a row that fails stays ``new`` for the next run."""
+    """Publish every outbox row still ``new`` (earlier runs' leftovers, then this run's),
+    in the order they were added, a page at a time; a row that fails stays ``new`` for
+    the next run."""
     total = store.outbox_count("new")
     report = PublishReport()
     if not total:
         return report
     with make_publisher(cfg, **({} if declare else {"declare": False})) as publisher:
-        after = ""
-        while page := store.outbox_unconfirmed(limit=BATCH, after=after):
-            after = page[-1].task_id
+        for page in store.outbox_unconfirmed_pages(BATCH):
             offset = len(report.confirmed) + len(report.failed)
 
             def _progress(done: int, _n: int, offset: int = offset) -> None:

@@ -82,15 +82,14 @@ class SiteGate:
             self._unfile(site, running)
             self._file(site, running - 1)
 
-    def discard(self, deliveries: list[Delivery]) -> list[Delivery]:
-        """Take these out if parked (the connection that brought them is gone: the broker
-        delivers them again). Returns the ones that were parked."""
-        ids = {id(d) for d in deliveries}
+    def discard(self, matches: Callable[[Delivery], bool]) -> list[Delivery]:
+        """Take the parked deliveries that ``matches`` out, unstarted (their connection is
+        gone, or their shard is being handed over). Returns them, oldest first per site."""
         removed: list[Delivery] = []
         for site in list(self._parked):
             kept: deque[Delivery] = deque()
             for parked in self._parked[site]:
-                (removed if id(parked) in ids else kept).append(parked)
+                (removed if matches(parked) else kept).append(parked)
             if not kept:
                 del self._parked[site]
                 self._unfile(site, self._running.get(site, 0))

@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from crawld.config import Config, runtime_dir, warc_directory
 from crawld.fetch import Fetcher
@@ -119,6 +119,7 @@ class Worker:
         self.transport.set_stop_check(lambda: self._stop)
         self.transport.set_reconnect_listener(self.metrics.on_reconnect)
         self.transport.set_giveback_listener(self._on_giveback)
+        self.transport.set_take_back(self._take_back)
         self.transport.set_shard_listener(self.fetcher.limiter.shard_acquired)
         self.transport.set_settled_listener(lambda _delivery, settlement: self._count(settlement))
         log.info("worker_starting", worker=self.worker_id, transport=self.transport.name,
@@ -188,14 +189,23 @@ class Worker:
         """I/O thread: a lost connection or a close handed these back; forgive them. The
         parked ones are dropped: the broker delivers them again, fetching them here would
         be for nothing (their settlement could no longer reach the broker)."""
-        if self.gate is not None:
-            with self._lock:
-                self.state.inflight -= len(self.gate.discard(deliveries))
+        ids = {id(d) for d in deliveries}
+        self._take_back(lambda d: id(d) in ids)
         self.handler.forgive(deliveries)
         log.info("deliveries_forgiven", worker=self.worker_id, count=len(deliveries),
                  reason="connection lost or closed")
         if not self._stop:
             self.pool.submit(self.handler.guard.flush)
+
+    def _take_back(self, matches: Callable[[Delivery], bool]) -> list[Delivery]:
+        """I/O thread: the parked deliveries that ``matches``, out of the gate unstarted
+        (the transport hands them back or over); none while nothing is parked."""
+        if self.gate is None:
+            return []
+        with self._lock:
+            taken = self.gate.discard(matches)
+            self.state.inflight -= len(taken)
+        return taken
 
     def _drain(self) -> int:
         """Stop taking work, finish what started, give back what did not, close."""

@@ -85,6 +85,7 @@ DEAD_UPSERT = _upsert_sql("dead", _DEAD_WRITE_COLUMNS)
 # ids per ``WHERE task_id IN (...)`` statement: below SQLite's bound-variable limit (999)
 _IN_CHUNK = 500
 _INSERT_CHUNK = 100     # outbox rows per multi-row INSERT (8 values each, also below 999)
+CREATED_STEP_S = 1e-6   # between the created_at of rows added together (a double keeps it at 2**31 s)
 
 
 def _outbox_values(task: Task, now: float) -> tuple:
@@ -100,6 +101,7 @@ class Store(ReportQueries, LedgerQueries):
     def __init__(self, body_dir: str) -> None:
         self.body_dir = Path(body_dir)
         self._group: GroupCommit | None = None
+        self._last_created = 0.0
         self._body_dirs: set[Path] = set()      # created already: skip the mkdir syscalls
 
     # -- plumbing -----------------------------------------------------------------
@@ -187,22 +189,30 @@ class Store(ReportQueries, LedgerQueries):
     # -- outbox -------------------------------------------------------------------
     def outbox_add(self, tasks: Sequence[Task]) -> int:
         """Insert new tasks; an id already in the outbox is left as it is. Returns new count."""
-        now = time.time()
         return self._exec_many(
             "INSERT INTO outbox (task_id, url, round, source, state, tries, created_at, depth, "
             "parent, extra) VALUES (?, ?, ?, ?, 'new', 0, ?, ?, ?, ?) ON CONFLICT (task_id) DO NOTHING",
-            [_outbox_values(t, now) for t in tasks])
+            [_outbox_values(t, at) for t, at in zip(tasks, self._creation_times(len(tasks)))])
+
+    def _creation_times(self, n: int) -> list[float]:
+        """``created_at`` for ``n`` rows added in this order: now, one microsecond apart and
+        after any this store gave before, so the outbox publishes them in the order given
+        (a frontier's round-robin over sites stays one; task id order scattered a site's
+        pages, and a shard's prefetch window then held none of some sites for seconds)."""
+        start = max(time.time(), self._last_created + CREATED_STEP_S)
+        self._last_created = start + (n - 1) * CREATED_STEP_S
+        return [start + i * CREATED_STEP_S for i in range(n)]
 
     def outbox_insert(self, tasks: Sequence[Task]) -> None:
         """``outbox_add`` as outcome writes: durable on return, through the group commit
         when it is on (a page's discovered URLs share the fsync of other pages' rows)."""
-        now = time.time()
+        times = self._creation_times(len(tasks))
         for i in range(0, len(tasks), _INSERT_CHUNK):
             chunk = tasks[i:i + _INSERT_CHUNK]
             rows = ", ".join("(?, ?, ?, ?, 'new', 0, ?, ?, ?, ?)" for _ in chunk)
             self._write("INSERT INTO outbox (task_id, url, round, source, state, tries, created_at, "
                         f"depth, parent, extra) VALUES {rows} ON CONFLICT (task_id) DO NOTHING",
-                        [v for t in chunk for v in _outbox_values(t, now)])
+                        [v for t, at in zip(chunk, times[i:]) for v in _outbox_values(t, at)])
 
     def outbox_unconfirmed_children(self, parent: str) -> list[Task]:
         """Rows still ``new`` that were inserted for page ``parent`` (the first insert of a
@@ -217,13 +227,21 @@ class Store(ReportQueries, LedgerQueries):
             return self._read("SELECT COUNT(*) FROM outbox")[0][0]
         return self._read("SELECT COUNT(*) FROM outbox WHERE state = ?", (state,))[0][0]
 
-    def outbox_unconfirmed(self, limit: int = 1_000_000, after: str = "") -> list[Task]:
-        """Rows still ``new``, in task id order after ``after`` (keyset paging)."""
-        rows = self._read(
-            "SELECT task_id, url, round, source, depth, parent, extra FROM outbox "
-            "WHERE state = 'new' AND task_id > ? ORDER BY task_id LIMIT ?", (after, limit))
-        return [Task(task_id=r[0], url=r[1], round=r[2], source=r[3], enqueued_at=time.time(),
-                     depth=r[4], parent=r[5], **from_extra(r[6])) for r in rows]
+    def outbox_unconfirmed(self, limit: int = 1_000_000) -> list[Task]:
+        """The first ``limit`` rows still ``new``, in the order they were added."""
+        return next(self.outbox_unconfirmed_pages(limit), [])
+
+    def outbox_unconfirmed_pages(self, size: int) -> Iterator[list[Task]]:
+        """Rows still ``new`` in the order they were added, ``size`` at a time (keyset
+        paging on the index over state, created_at, task_id)."""
+        after: tuple[float, str] = (-1.0, "")
+        while rows := self._read(
+                "SELECT task_id, url, round, source, depth, parent, extra, created_at FROM outbox "
+                "WHERE state = 'new' AND (created_at, task_id) > (?, ?) "
+                "ORDER BY created_at, task_id LIMIT ?", (*after, size)):
+            after = (rows[-1][7], rows[-1][0])
+            yield [Task(task_id=r[0], url=r[1], round=r[2], source=r[3], enqueued_at=time.time(),
+                        depth=r[4], parent=r[5], **from_extra(r[6])) for r in rows]
 
     def outbox_mark_confirmed(self, task_ids: Sequence[str]) -> None:
         now = time.time()

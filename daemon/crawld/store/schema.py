@@ -47,7 +47,9 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS hooks_done (
         task_id TEXT PRIMARY KEY, links INTEGER NOT NULL DEFAULT 0,
         done_at DOUBLE PRECISION NOT NULL)""",
-    "CREATE INDEX IF NOT EXISTS outbox_state ON outbox (state)",
+    # rows by state, in the order they were added: `crawld publish` pages through the new
+    # ones in that order (and counts per state use the prefix)
+    "CREATE INDEX IF NOT EXISTS outbox_state_order ON outbox (state, created_at, task_id)",
     "CREATE INDEX IF NOT EXISTS dead_at ON dead (dead_at)",
     "CREATE INDEX IF NOT EXISTS results_fetched ON results (fetched_at)",
 ]

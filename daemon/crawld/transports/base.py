@@ -143,6 +143,15 @@ class Transport(abc.ABC):
         if listener is not None and given:
             listener(given)
 
+    def set_take_back(self, take_back: Callable[[Callable[[Delivery], bool]], list[Delivery]]) -> None:
+        """How the transport gets back deliveries the worker holds but has not started
+        (those that match a predicate), e.g. a shard's while it is handed over."""
+        self._take_back = take_back
+
+    def take_back(self, matches: Callable[[Delivery], bool]) -> list[Delivery]:
+        take_back = getattr(self, "_take_back", None)
+        return take_back(matches) if take_back is not None else []
+
     def set_settled_listener(self, on_settled: Callable[[Delivery, Settlement], None]) -> None:
         """Called on the I/O thread with how a delivery whose ACK / SKIP carried an event
         ended: that ack once the event was confirmed, or the RELEASE that replaced it (the

@@ -266,8 +266,12 @@ class AmqpTransport(Transport):
         if self._shards.balance_due():
             consumers, waiting = self._shard_load()
             for queue in self._shards.start_releases(consumers, waiting):
+                # What waits here for its site goes over with the shard, not after it has run
+                # (a window of a shard's tasks at about one a second per site: 5-7 s).
+                parked = self.take_back(lambda d, queue=queue: d.origin == queue)
+                self._shards.releasing[queue].extend(parked)
                 log.info("shard_releasing", shard=queue, worker=self.worker_id, consumers=consumers,
-                         busy=len(waiting))
+                         busy=len(waiting), parked=len(parked))
             stepped = [q for q in self._shards.step_backs(consumers, waiting) if self._step_back(q)]
             if stepped:
                 log.debug("shard_step_back", shards=stepped, worker=self.worker_id)

@@ -10,6 +10,14 @@ any more, then cancels and subscribes again at the back of the line, so the brok
 activates the next worker, which does the same if that puts it above its share. Idle
 shards cost nothing, so only shards with work are counted.
 
+A shard counts as busy for ``ACTIVE_WINDOW_S`` after it was last seen with work: here, its
+last delivery; elsewhere, the last balance round that found messages ready in its queue. A
+shard queue empties long before its owner has run what it holds (up to a whole window), so
+counting only "messages ready" made every worker see the others' shards go idle, its own
+share look too large, and hand over shards with tasks still parked here: their sites then
+stalled for the handover (500 sites, 2 x 256 threads: sites with nothing fetched for 5-7 s
+and a tail of 3 s on a 10 s run).
+
 "The next worker" is whoever subscribed to that shard queue earliest, not necessarily one
 below its share: a shard could hop from full worker to full worker while a new one waits
 empty. So a worker that holds its share **steps back** from the busy shards it does not
@@ -48,6 +56,7 @@ class Shards:
         self.releasing: dict[str, list[Delivery]] = {}
         self._idle_since: dict[str, float] = {}
         self._last_seen: dict[str, float] = {}
+        self._waiting_seen: dict[str, float] = {}    # shard -> when its queue last had messages ready
         self._stepped_back: dict[str, float] = {}
         self._consumers_seen = 0
         self._clock = clock
@@ -96,7 +105,7 @@ class Shards:
         if consumers <= 1:
             return []
         active = [self.queues[i] for i in self.active()]
-        surplus = len(active) - self._fair(consumers, waiting, active)
+        surplus = len(active) - self._fair(consumers, self._busy(waiting), active)
         if surplus <= 0:
             return []
         chosen = sorted(active, key=lambda q: self._last_seen[q])[:surplus]
@@ -111,7 +120,7 @@ class Shards:
             self._stepped_back.clear()      # someone joined: make way for it now
         self._consumers_seen = consumers
         active = [self.queues[i] for i in self.active()]
-        if consumers <= 1 or len(active) < self._fair(consumers, waiting, active):
+        if consumers <= 1 or len(active) < self._fair(consumers, self._busy(waiting), active):
             return []
         now = self._clock()
         due = sorted(q for q in waiting if q not in active and q not in self.releasing
@@ -120,9 +129,16 @@ class Shards:
             self._stepped_back[queue] = now
         return due
 
+    def _busy(self, waiting: set[str]) -> set[str]:
+        """Shard queues seen with messages ready within ACTIVE_WINDOW_S (``waiting`` now)."""
+        now = self._clock()
+        for queue in waiting:
+            self._waiting_seen[queue] = now
+        return {q for q, t in self._waiting_seen.items() if now - t < ACTIVE_WINDOW_S}
+
     @staticmethod
-    def _fair(consumers: int, waiting: set[str], active: list[str]) -> int:
-        return math.ceil(len(waiting | set(active)) / consumers)
+    def _fair(consumers: int, busy: set[str], active: list[str]) -> int:
+        return math.ceil(len(busy | set(active)) / consumers)
 
     def ready_to_release(self, inflight_by_queue: dict[str, int]) -> list[str]:
         """Releasing shards with nothing of theirs running here for SETTLE_S: safe to hand
@@ -148,3 +164,4 @@ class Shards:
         self.releasing.clear()
         self._idle_since.clear()
         self._last_seen.clear()
+        self._waiting_seen.clear()

@@ -23,7 +23,8 @@ shards, while another live worker is below it by more than a tenth, gives the su
 release) with a ``busy`` mark on the freed key. Workers below their busy share claim such
 shards even beyond their count quota (their idle shards then go as count excess); any
 worker below its count quota takes marked shards first; the releaser itself leaves them
-alone for ``HANDOFF_GRACE_S``. No hand-off while any release of ours is still settling.
+alone for ``HANDOFF_GRACE_S``. No hand-off while any release of ours is still settling, nor
+while any shard is unowned (someone's claims are under way: the busy counts are stale).
 
 A worker claims nothing until its own key has been up for one renewal interval, so workers
 started together see each other and split the shards from their first claims.
@@ -208,7 +209,7 @@ class ShardLeases:
         mine, fair, least = share
         # A gap of a shard or two between large shares is noise (a shard drained a moment
         # ago): moving one would cost more than it evens out.
-        if mine > fair and least < fair and mine - least > max(1, fair // 10):
+        if mine > fair and least < fair and mine - least > max(1, fair // 10) and self._all_owned(table):
             plan.excess += self._hand_off(min(mine - fair, fair - least))
         elif mine < fair:
             plan.claimed += await self._claim_handed_off(table, fair - mine)
@@ -246,6 +247,14 @@ class ShardLeases:
         mine = self.busy_count()
         fair = math.ceil((mine + sum(others)) / (len(others) + 1))
         return mine, fair, min(others, default=fair)
+
+    def _all_owned(self, table: Table) -> bool:
+        """Every shard has a live lease. Until then someone's claims are under way and the
+        busy counts are stale: two workers started together, one read the table a few ms
+        before the other's second round of claims and handed it 9 busy shards; shards then
+        bounced between them for 10 s, their sites idle for 2-7 s at each move."""
+        now = time.time()
+        return sum(1 for e in table.shards.values() if not e.free(now)) >= self.shards
 
     def _hand_off(self, surplus: int) -> list[int]:
         """Give back ``surplus`` busy shards (the fewest in flight first), at most once
