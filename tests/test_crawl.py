@@ -208,7 +208,8 @@ OLD_OUTBOX = ("CREATE TABLE outbox (task_id TEXT PRIMARY KEY, url TEXT NOT NULL,
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_outbox_from_an_older_crawld_is_migrated(request, tmp_path, backend):
-    """An outbox an older crawld created gains depth, parent and extra (and the parent index);
+    """An outbox an older crawld created gains depth, parent and extra (and the parent index,
+    and the ordered state index in place of the plain one);
     its rows keep working as seeds, and discovered tasks round-trip through it."""
     import sqlite3
 
@@ -219,6 +220,7 @@ def test_outbox_from_an_older_crawld_is_migrated(request, tmp_path, backend):
         url = f"sqlite:///{tmp_path / 'old.db'}"
         with sqlite3.connect(tmp_path / "old.db") as conn:
             conn.execute(OLD_OUTBOX)
+            conn.execute("CREATE INDEX outbox_state ON outbox (state)")
             conn.execute("INSERT INTO outbox (task_id, url, round, source, created_at) "
                          "VALUES ('old', 'http://h/old', '0', 'default', 1)")
     else:
@@ -240,6 +242,9 @@ def test_outbox_from_an_older_crawld_is_migrated(request, tmp_path, backend):
         assert (back.depth, back.parent, back.scope, back.meta) == (2, "old", child.scope, child.meta)
         store.put_hooks_done("old", 3)
         assert store.hooks_done("old") and not store.hooks_done(child.task_id)
+        if backend == "sqlite":     # the state index gave way to (state, created_at, task_id)
+            indexes = {r[0] for r in store.query("SELECT name FROM sqlite_master WHERE type = 'index'")}
+            assert "outbox_state_order" in indexes and "outbox_state" not in indexes, indexes
     finally:
         store.close()
 

@@ -67,8 +67,10 @@ ADDED_COLUMNS = {"results": (("warc_file", "TEXT NOT NULL DEFAULT ''"),
                             ("extra", "TEXT NOT NULL DEFAULT ''"))}
 
 
-# Indexes on added columns: created after the migration added them to an older table.
-AFTER_MIGRATION = ["CREATE INDEX IF NOT EXISTS outbox_parent ON outbox (parent)"]
+# Indexes on added columns: created after the migration added them to an older table;
+# and indexes a newer one replaces (outbox_state_order starts with state).
+AFTER_MIGRATION = ["CREATE INDEX IF NOT EXISTS outbox_parent ON outbox (parent)",
+                   "DROP INDEX IF EXISTS outbox_state"]
 
 
 def migrate_added_columns(cur: Any, postgres: bool) -> None:
