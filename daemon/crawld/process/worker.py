@@ -286,15 +286,16 @@ class Worker:
         Deliveries parked for their sites take no thread, so more may come while the threads
         are busy with others: with a large hand over many shards, up to HANDS_HELD hands in
         all, as the AMQP shard windows of a fair share allow, so that every site has tasks
-        of its own waiting.
+        of its own waiting. (Counting only the running ones against one hand let a pull in
+        only when a thread came free: every shard then got the same share of the threads,
+        its sites' number aside, and the sites of big shards fell behind: 500 sites, 0.88.)
         Also while draining: a pull already answered is better processed than given back."""
         if self.pause.reason:
             return 0
         limit = min(self.cfg.workers.threads, self.cfg.queue.prefetch)
         with self._lock:
             held = self.state.inflight
-            parked = self.gate.parked if self.gate is not None else 0
-        return max(0, min(limit - (held - parked), self._hands_held * limit - held))
+        return max(0, self._hands_held * limit - held)
 
     def _inflight(self) -> int:
         with self._lock:

@@ -146,7 +146,8 @@ class ShardMixin:
     def _allocate(self) -> None:
         """Grant the worker's free slots to waiting shard pulls, so all requests in flight
         together never bring more than it can start. Busy shards (the server said more
-        are pending) first, longest-waiting first, up to what they have pending and to
+        are pending) first, those holding the fewest here (under a cap) and then the
+        longest-waiting first, up to what they have pending and to
         their cap (fleet.partition.shard_pull_cap) less what they hold here; then
         drained shards probe with one slot each, round robin, with a short expiry when
         many share few slots (each is probed about once a second)."""
@@ -156,9 +157,14 @@ class ShardMixin:
         if free <= 0 or not waiting:
             return
         now = time.monotonic()
-        busy = sorted((p for p in waiting if p.pending), key=lambda p: p.turn)
         cap = self._pull_cap
+        busy = [p for p in waiting if p.pending]
         in_hand = self._in_hand_by_shard() if busy and cap is not None else {}
+        # Under a cap, the shard holding the fewest tasks here goes first: its tasks do not
+        # wait for their sites (they ran and were settled), while a shard of few sites holds
+        # many that do. In turn alone, every shard got as many tasks whatever its number of
+        # sites, and the sites of big shards fell behind.
+        busy.sort(key=lambda p: (in_hand.get(p.shard, 0), p.turn))
         for pull in busy:
             if free <= 0:
                 return                 # drained shards wait while busy ones want slots
