@@ -389,7 +389,10 @@ class ShardLeases:
         for _ in range(CLAIM_ROUNDS - 1):
             if len(claimed) >= wanted:
                 break
-            table = await self.snapshot()
+            try:
+                table = await self.snapshot()
+            except KV_ERRORS:
+                break                 # what is claimed stands; the next tick tries again
             now = time.time()
             if all(s in self.owned or (s in table.shards and not table.shards[s].free(now))
                    for s in range(self.shards)):
