@@ -389,10 +389,7 @@ class ShardLeases:
         for _ in range(CLAIM_ROUNDS - 1):
             if len(claimed) >= wanted:
                 break
-            try:
-                table = await self.snapshot()
-            except KV_ERRORS:
-                break                 # what is claimed stands; the next tick tries again
+            table = await self.snapshot()
             now = time.time()
             if all(s in self.owned or (s in table.shards and not table.shards[s].free(now))
                    for s in range(self.shards)):
