@@ -61,7 +61,6 @@ KV_TIMEOUT_S = 1.0             # a renewal that takes longer is as good as faile
 BUCKET_MAX_AGE_S = 300.0
 WATCH_INACTIVE_S = 2.0         # the snapshot's ephemeral consumer is gone soon after
 BALANCE_EVERY_S = 2.0          # busy shards move at most this often per worker
-CLAIM_ROUNDS = 3               # claim rounds per tick while races are lost
 HANDOFF_GRACE_S = 5.0          # the releaser does not take back a shard it handed off before this
 
 KV_ERRORS = (OSError, asyncio.TimeoutError, nats.errors.Error)
@@ -203,7 +202,7 @@ class ShardLeases:
             for shard in plan.excess:
                 self.mark_releasing(shard)
         elif len(active) < quota:
-            plan.claimed = await self._claim_until(table, quota - len(active))
+            plan.claimed = await self._claim_free(table, quota - len(active))
         share = None if plan.claimed or plan.excess else self._busy_share(table)
         if share is None:
             return plan       # counts still moving: the busy numbers would mislead
@@ -380,23 +379,6 @@ class ShardLeases:
         return self.quota
 
     # -- claiming and releasing --------------------------------------------------------------
-    async def _claim_until(self, table: Table, wanted: int) -> list[int]:
-        """Claim free shards up to ``wanted``. Races lost to a worker claiming at the same
-        moment are retried at once on a fresh table (up to CLAIM_ROUNDS), not a tick later:
-        of two workers started together, the one that lost half its first claims used to
-        start pulling those shards a second after the other (500 sites: 1 s of 22)."""
-        claimed = await self._claim_free(table, wanted)
-        for _ in range(CLAIM_ROUNDS - 1):
-            if len(claimed) >= wanted:
-                break
-            table = await self.snapshot()
-            now = time.time()
-            if all(s in self.owned or (s in table.shards and not table.shards[s].free(now))
-                   for s in range(self.shards)):
-                break                 # nothing free left: the others have their quotas
-            claimed += await self._claim_free(table, wanted - len(claimed))
-        return claimed
-
     async def _claim_free(self, table: Table, wanted: int) -> list[int]:
         now = time.time()
         free = [s for s in range(self.shards)
