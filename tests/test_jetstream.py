@@ -273,6 +273,83 @@ def test_publish_window_confirms_thousands_and_reports_silence(server: NatsServe
     assert reasons == {"no PubAck within 0.5s": 10, "not sent": 15}, reasons
 
 
+async def _add_work_stream(cfg: Config, **changes: Any) -> None:
+    """The work stream as crawld declares it, with ``changes`` (e.g. as an older crawld made it)."""
+    from dataclasses import replace
+
+    from crawld.transports.jetstream.topology import work_stream_config
+    nc = await nats.connect(cfg.broker.url)
+    try:
+        await nc.jetstream().add_stream(replace(work_stream_config(cfg), **changes))
+    finally:
+        await nc.close()
+
+
+async def _allows_fast_batches(url: str) -> bool:
+    nc = await nats.connect(url)
+    try:
+        return bool((await nc.jetstream().stream_info(STREAM)).config.allow_batched)
+    finally:
+        await nc.close()
+
+
+def test_a_large_publish_is_one_fast_batch_with_a_flow_ack_per_window(server: NatsServer) -> None:
+    """3,000 tasks with window 100: confirmed by a few dozen flow acks, not 3,000 PubAcks,
+    and all in the stream. Published again with 500 new ones behind them, the server's
+    Nats-Msg-Id check drops the 3,000 it has: everything confirmed, 3,500 messages."""
+    cfg = make_cfg(server.url)
+    keys = [f"f{i:04d}" for i in range(3000)]
+    calls: list[tuple[int, int]] = []
+    with JetStreamPublisher(cfg, window=100) as pub:
+        report = pub.publish(make_tasks(*keys), progress=lambda d, t: calls.append((d, t)))
+        assert sorted(report.confirmed) == keys and not report.failed
+        assert pub.acks_heard <= 3000 // 100 + 2 and pub.duplicates is None, pub.acks_heard
+        assert calls[-1] == (3000, 3000) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+        more = keys + [f"g{i:03d}" for i in range(500)]
+        again = pub.publish(make_tasks(*more))
+        assert sorted(again.confirmed) == sorted(more) and not again.failed
+        assert pub.acks_heard <= 3500 // 100 + 2
+    assert jetstream_stats(cfg)["messages"] == 3500
+    assert run_async(_allows_fast_batches(server.url))
+
+
+def test_a_stream_without_fast_batches_gets_a_pub_ack_per_task_until_declared(server: NatsServer) -> None:
+    """A work stream made without allow_batched (an older crawld) refuses the batch's first
+    message: the publisher sends all 300 with a PubAck each, that first one included. A
+    publisher that declares the topology turns fast batches on in place, queue kept."""
+    cfg = make_cfg(server.url)
+    run_async(_add_work_stream(cfg, allow_batched=False))
+    keys = [f"o{i:03d}" for i in range(300)]
+    with JetStreamPublisher(cfg, declare=False) as pub:
+        report = pub.publish(make_tasks(*keys))
+        assert sorted(report.confirmed) == keys and not report.failed
+        assert pub.acks_heard == 1 + 300 and pub.duplicates == 0
+    assert jetstream_stats(cfg)["messages"] == 300 and not run_async(_allows_fast_batches(server.url))
+    newer = [f"n{i:03d}" for i in range(300)]
+    with JetStreamPublisher(cfg) as pub:
+        report = pub.publish(make_tasks(*newer))
+        assert sorted(report.confirmed) == newer and pub.acks_heard <= 300 // 100 + 3
+    assert jetstream_stats(cfg)["messages"] == 600 and run_async(_allows_fast_batches(server.url))
+
+
+def test_a_full_stream_ends_the_fast_batch_and_every_task_is_confirmed_or_failed(
+        server: NatsServer) -> None:
+    """The stream takes 250 messages (discard new): the batch stops at the refusal. Every
+    confirmed task is among the 250 stored, the rest are reported failed with the server's
+    reason (the outbox keeps them), none both, none missing."""
+    cfg = make_cfg(server.url)
+    run_async(_add_work_stream(cfg, max_msgs=250))
+    keys = [f"m{i:04d}" for i in range(1000)]
+    with JetStreamPublisher(cfg, window=50, declare=False) as pub:
+        report = pub.publish(make_tasks(*keys))
+    confirmed, failed = set(report.confirmed), set(report.failed)
+    assert not confirmed & failed and confirmed | failed == set(keys)
+    assert 200 <= len(confirmed) <= 250 and jetstream_stats(cfg)["messages"] == 250
+    assert confirmed == set(keys[:len(confirmed)])        # the batch is stored in order
+    assert all("maximum messages" in reason for reason in report.failed.values()
+               if not reason.startswith("not sent")), Counter(report.failed.values())
+
+
 # -- in progress ----------------------------------------------------------------------------
 @pytest.mark.parametrize("partition", ["none", "host"])
 def test_long_fetch_is_kept_alive_by_in_progress(server: NatsServer, partition: str) -> None:

@@ -12,7 +12,8 @@ AMQP (RabbitMQ), persistent messages to a durable queue:
 JetStream (nats-server, file stream):
 * no PubAck          -- core ``nc.publish`` to the stream subject, one flush at the end;
 * sequential PubAck  -- ``await js.publish`` one at a time;
-* batched (crawld)   -- crawld's JetStreamPublisher: 500 PubAcks in flight, Nats-Msg-Id = task id;
+* batched (crawld)   -- crawld's JetStreamPublisher: one fast-ingest batch (nats-server 2.14+), a flow
+                        ack per 500 tasks, two flows in flight, Nats-Msg-Id = task id;
 * crawld publish CLI -- as above, over JetStream.
 The one-by-one / sequential cases publish a quarter of N (their per-message cost is flat).
 """
@@ -192,7 +193,7 @@ def measure(env: Env, quick: bool, section: Section) -> None:
         ("AMQP", "crawld publish CLI (outbox + batched confirms)", n, lambda: crawld_cli(env, n, "amqp")),
         ("JetStream", "no PubAck (core publish + flush)", n, lambda: js_core(env, n)),
         ("JetStream", "sequential PubAck (await js.publish)", slow_n, lambda: js_sequential(env, slow_n)),
-        ("JetStream", "batched PubAck (crawld JetStreamPublisher, 500 in flight)", n, lambda: js_batched(env, n)),
+        ("JetStream", "batched PubAck (crawld JetStreamPublisher, fast batch, a flow ack per 500)", n, lambda: js_batched(env, n)),
         ("JetStream", "publish_async (nats-py, 1000 pending; reference, not crawld)", n,
          lambda: js_publish_async(env, n)),
         ("JetStream", "crawld publish CLI (outbox + batched PubAcks)", n, lambda: crawld_cli(env, n, "jetstream")),

@@ -1,5 +1,9 @@
 """Publishing tasks to the work stream with PubAcks, deduplicated by ``Nats-Msg-Id``.
 
+A publish of FAST_BATCH_MIN tasks or more goes as one fast-ingest batch (fastbatch.py: one
+flow ack per ``window`` tasks); smaller ones, and streams that do not allow fast batches,
+get a PubAck per task through ``AckWindow``.
+
 A partitioned fleet gets each task straight on its shard subject (``crawl.shard.<label>``):
 the routing hop through intake is only for plain publishers that know nothing of shards.
 """
@@ -21,17 +25,23 @@ from crawld.task import Task
 from crawld.transports.base import ProgressCallback, PublishReport, Publisher, TopologyError
 from crawld.transports.jetstream.connection import (API_TIMEOUT_S, RETRYABLE, close_quietly, log,
                                                     open_connection, wait_set)
+from crawld.transports.jetstream.fastbatch import FastBatch
 from crawld.transports.jetstream.topology import MSG_ID_HEADER, ensure_streams, task_subject
 
 
 NO_RESPONDERS = "503"         # the server's status when no stream takes the subject
+# Below this a fast batch saves little: its first message waits alone for the server's
+# go-ahead (one round trip), and a PubAck each also tells which tasks were duplicates.
+FAST_BATCH_MIN = 100
 
 
 class JetStreamPublisher(Publisher):
-    """Publishes with ``Nats-Msg-Id`` = task id; ``window`` PubAcks outstanding at once.
+    """Publishes with ``Nats-Msg-Id`` = task id; ``window`` PubAcks outstanding at once, or
+    in a fast batch one flow ack per ``window`` tasks.
 
-    A PubAck (duplicate or not) means the stream holds the task: confirmed. Timeouts and
-    errors go to ``failed``; the outbox resends them later (the id makes that safe).
+    A PubAck or flow ack (duplicate or not) means the stream holds the task: confirmed.
+    Timeouts and errors go to ``failed``; the outbox resends them later (the id makes that
+    safe).
     """
 
     def __init__(self, cfg: Config, window: int = 500, timeout_s: float = 10.0,
@@ -40,7 +50,10 @@ class JetStreamPublisher(Publisher):
         self.window = max(1, window)
         self.timeout_s = timeout_s
         self.declare = declare
-        self.duplicates = 0          # PubAcks with duplicate=True in the last publish()
+        # PubAcks with duplicate=True in the last publish(); None when it went as one fast
+        # batch (the server's flow acks do not say which tasks it already had).
+        self.duplicates: int | None = 0
+        self.acks_heard = 0          # answers (PubAcks, flow acks) the last publish() took
         self._loop = asyncio.new_event_loop()
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
@@ -65,7 +78,7 @@ class JetStreamPublisher(Publisher):
     async def _publish_all(self, tasks: list[Task], progress: ProgressCallback | None,
                            attempt_reset: bool) -> PublishReport:
         report = PublishReport()
-        self.duplicates = 0
+        self.duplicates, self.acks_heard = 0, 0
         try:
             await self._connect()
         except (*RETRYABLE, TopologyError) as exc:
@@ -75,9 +88,19 @@ class JetStreamPublisher(Publisher):
         # Replays need a fresh id, or the duplicate window would swallow them.
         suffix = f":replay:{int(time.time() * 1000)}" if attempt_reset else ""
         assert self._nc is not None
-        window = AckWindow(self._nc, self.window, self.timeout_s, report, progress, len(tasks))
-        await window.run([(task_subject(self.cfg, t), t, t.task_id + suffix) for t in tasks])
-        self.duplicates = window.duplicates
+        items = [(task_subject(self.cfg, t), t, t.task_id + suffix) for t in tasks]
+        done = 0
+        if len(items) >= FAST_BATCH_MIN:
+            batch = FastBatch(self._nc, self.window, self.timeout_s, report, progress, len(tasks))
+            done = await batch.run(items)
+            self.acks_heard += batch.acks_heard
+            self.duplicates = None
+        if done < len(items):        # small, or the stream does not take fast batches
+            window = AckWindow(self._nc, self.window, self.timeout_s, report, progress, len(tasks),
+                               answered=done)
+            await window.run(items[done:])
+            self.acks_heard += window.acks_heard
+            self.duplicates = window.duplicates if done == 0 else None
         return report
 
     def close(self) -> None:
@@ -96,14 +119,15 @@ class AckWindow:
     (the outbox sends it again; ``Nats-Msg-Id`` makes that safe)."""
 
     def __init__(self, nc: Client, window: int, timeout_s: float, report: PublishReport,
-                 progress: ProgressCallback | None, total: int) -> None:
+                 progress: ProgressCallback | None, total: int, answered: int = 0) -> None:
         self.nc = nc
         self.window = window
         self.timeout_s = timeout_s
         self.report = report
         self.progress = progress
         self.total = total
-        self.answered = 0
+        self.answered = answered     # of ``total``: a fast batch may have settled some
+        self.acks_heard = 0
         self.duplicates = 0
         self.inbox = nc.new_inbox()
         self.waiting: dict[str, tuple[str, Task]] = {}      # reply token -> (subject, task)
@@ -144,6 +168,7 @@ class AckWindow:
         return await wait_set(self.heard, self.timeout_s)
 
     async def _on_reply(self, msg: Msg) -> None:
+        self.acks_heard += 1
         entry = self.waiting.pop(msg.subject.rsplit(".", 1)[-1], None)
         if entry is None:
             return                  # answered after we gave up on it: reported failed already

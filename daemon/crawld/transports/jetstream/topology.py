@@ -3,7 +3,9 @@
 Create-or-bind, never replace: a differing existing config is reported as drift and kept,
 because replacing a stream or consumer under running workers would lose their state. The
 one exception is additive: subjects missing from the work stream are added (an existing
-deployment gains ``crawl.shard.>`` when it upgrades), nothing is ever removed.
+deployment gains ``crawl.shard.>`` when it upgrades) and fast-ingest batches are allowed
+on it (``allow_batched``, for the publisher's one-ack-per-flow batches, fastbatch.py);
+nothing is ever removed.
 
 Partitioned fleets (``queue.partition`` host / domain) keep the intake durable
 ``<queue.name>`` on ``crawl.url.>`` for plain publishers and add one durable per shard,
@@ -96,7 +98,7 @@ def work_stream_config(cfg: Config) -> StreamConfig:
         name=STREAM, subjects=[WORK_FILTER, SHARD_FILTER], retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE, num_replicas=cfg.queue.replicas,
         duplicate_window=cfg.queue.duplicate_window_s, max_age=WORK_MAX_AGE_S,
-        max_bytes=WORK_MAX_BYTES, discard=DiscardPolicy.NEW)
+        max_bytes=WORK_MAX_BYTES, discard=DiscardPolicy.NEW, allow_batched=True)
 
 
 def dead_stream_config(cfg: Config) -> StreamConfig:
@@ -153,9 +155,10 @@ def config_drift(have: Any, want: Any, names: Sequence[str]) -> dict[str, dict[s
     return out
 
 
-async def ensure_stream(js: JetStreamContext, want: StreamConfig, add_subjects: bool = False) -> None:
+async def ensure_stream(js: JetStreamContext, want: StreamConfig, upgrade: bool = False) -> None:
     """Create the stream, or bind to it and report (never replace) a differing config;
-    with ``add_subjects``, subjects the existing stream lacks are added to it."""
+    with ``upgrade``, subjects the existing stream lacks are added to it and the fast
+    batches it allows are turned on."""
     try:
         info = await js.stream_info(want.name)
     except jse.NotFoundError:
@@ -168,29 +171,32 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig, add_subjects: 
             # Either another worker won a creation race (then it exists now), or the server
             # refuses it for good (e.g. another stream already owns the subjects).
             info = await _info_or_refuse(js.stream_info(want.name), f"stream {want.name}", exc)
-    if add_subjects:
-        info = await _add_missing_subjects(js, info, want)
+    if upgrade:
+        info = await _upgrade_in_place(js, info, want)
     diffs = config_drift(info.config, want, STREAM_DRIFT_FIELDS)
     if diffs:
         log.warning("jetstream_stream_drift", stream=want.name, diffs=diffs,
                     hint="existing stream kept as is; update it deliberately to apply the config")
 
 
-async def _add_missing_subjects(js: JetStreamContext, info: Any, want: StreamConfig) -> Any:
-    """Upgrade in place: append what is missing, keep every subject the stream has."""
+async def _upgrade_in_place(js: JetStreamContext, info: Any, want: StreamConfig) -> Any:
+    """Append the subjects that are missing and allow fast batches; keep everything else."""
     have = list(info.config.subjects or [])
     missing = [s for s in want.subjects or [] if s not in have]
-    if not missing:
+    batched = bool(want.allow_batched) and not info.config.allow_batched
+    if not missing and not batched:
         return info
     config = info.config
     config.subjects = have + missing
+    config.allow_batched = config.allow_batched or want.allow_batched
     try:
         info = await js.update_stream(config)
     except jse.BadRequestError as exc:   # e.g. another stream already owns crawl.shard.>
-        raise TopologyError(f"stream {want.name}: cannot add subjects {missing}: {exc.description} "
+        raise TopologyError(f"stream {want.name}: cannot upgrade it (add subjects {missing}, "
+                            f"allow_batched {batched}): {exc.description} "
                             f"(err_code {exc.err_code})") from None
-    log.info("jetstream_stream_subjects_added", stream=want.name, added=missing,
-             subjects=info.config.subjects)
+    log.info("jetstream_stream_upgraded", stream=want.name, added=missing,
+             subjects=info.config.subjects, allow_batched=info.config.allow_batched)
     return info
 
 
@@ -203,7 +209,7 @@ async def _info_or_refuse(lookup: Awaitable[T], what: str, exc: jse.APIError) ->
 
 
 async def ensure_streams(js: JetStreamContext, cfg: Config) -> None:
-    await ensure_stream(js, work_stream_config(cfg), add_subjects=True)
+    await ensure_stream(js, work_stream_config(cfg), upgrade=True)
     await ensure_stream(js, dead_stream_config(cfg))
 
 
