@@ -350,6 +350,44 @@ def test_a_full_stream_ends_the_fast_batch_and_every_task_is_confirmed_or_failed
                if not reason.startswith("not sent")), Counter(report.failed.values())
 
 
+def test_lost_flow_acks_are_asked_again_by_a_ping(server: NatsServer) -> None:
+    """Every flow ack the server sends on its own is lost (dropped here, on arrival): only
+    the answers to pings get through. The batch still ends with all 1,000 tasks confirmed,
+    each stall costing a third of the timeout. Without the pings it would stop at the
+    first stall and report everything failed."""
+    from crawld.transports.jetstream.fastbatch import FastBatch
+    from crawld.transports.jetstream.topology import ensure_streams
+
+    class LossyInbox(FastBatch):
+        dropped = 0
+
+        async def _on_reply(self, msg: Any) -> None:
+            if b'"type":"ack"' in msg.data and b'"seq":0,' not in msg.data \
+                    and not msg.subject.endswith(".4.$FI"):
+                self.dropped += 1
+                return
+            await super()._on_reply(msg)
+
+    cfg = make_cfg(server.url)
+    tasks = make_tasks(*[f"l{i:04d}" for i in range(1000)])
+
+    async def main() -> tuple[PublishReport, LossyInbox]:
+        nc = await nats.connect(server.url)
+        try:
+            await ensure_streams(nc.jetstream(), cfg)
+            report = PublishReport()
+            batch = LossyInbox(nc, 100, 0.6, report, None, len(tasks))
+            assert await batch.run([(task_subject(cfg, t), t, t.task_id) for t in tasks]) == 1000
+            return report, batch
+        finally:
+            await nc.close()
+
+    report, batch = run_async(main())
+    assert not report.failed and sorted(report.confirmed) == sorted(t.task_id for t in tasks)
+    assert batch.dropped >= 3 and batch.pings >= 3, (batch.dropped, batch.pings)
+    assert jetstream_stats(cfg)["messages"] == 1000
+
+
 # -- in progress ----------------------------------------------------------------------------
 @pytest.mark.parametrize("partition", ["none", "host"])
 def test_long_fetch_is_kept_alive_by_in_progress(server: NatsServer, partition: str) -> None:

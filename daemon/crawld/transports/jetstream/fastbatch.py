@@ -31,7 +31,8 @@ from crawld.transports.jetstream.topology import MSG_ID_HEADER
 
 OUTSTANDING_ACKS = 2        # keep sending the next flow's worth while the server stores one
 MAX_FLOW = 65535            # the server's ack interval is a uint16
-START, APPEND, COMMIT = 0, 1, 2
+START, APPEND, COMMIT, PING = 0, 1, 2, 4
+PING_SLICES = 3             # a silent third of the timeout pings the batch
 
 Item = tuple[str, Task, str]      # (subject, task, Nats-Msg-Id)
 
@@ -50,7 +51,9 @@ class FastBatch:
         self.progress = progress
         self.total = total
         self.acks_heard = 0
+        self.pings = 0
         self._items: list[Item] = []
+        self._sent = 0                # highest batch sequence published
         self._confirmed = 0           # items[:_confirmed] are in report.confirmed
         self._acked = 0               # highest batch sequence a flow ack covered
         self._interval = self.flow    # the server may lower it on any flow ack
@@ -77,6 +80,7 @@ class FastBatch:
         if not await self._start(items[0]):
             return self._fallback()
         sent = await self._send_rest(items)
+        # Once the commit is out there is no batch left to ping: its PubAck ends the wait.
         while sent == len(items) and self._final is None and await self._hear():
             pass
         self._settle(sent)
@@ -108,7 +112,7 @@ class FastBatch:
         last = len(items)
         for seq in range(2, last + 1):
             while self._final is None and self._acked + self._interval * OUTSTANDING_ACKS <= seq:
-                if not await self._hear():
+                if not await self._hear(ping=True):
                     return seq - 1
             if self._final is not None:           # the server ended the batch early
                 return seq - 1
@@ -120,14 +124,31 @@ class FastBatch:
         subject, task, msg_id = item
         try:
             await self._send(subject, task.to_body(), f"{self._reply}{seq}.{op}.$FI", msg_id)
+            self._sent = seq
             return True
         except (nats.errors.Error, OSError) as exc:
             self._fail_from(seq - 1, repr(exc), stop=seq)
             return False
 
-    async def _hear(self) -> bool:
+    async def _hear(self, ping: bool = False) -> bool:
+        """Wait for the next answer; False after ``timeout_s`` of silence. Each silent
+        slice of it pings the batch, and the server answers with its latest flow ack: a
+        lost ack costs a slice, not the batch (the ping itself stores nothing)."""
         self._heard.clear()
-        return await wait_set(self._heard, self.timeout_s)
+        for left in range(PING_SLICES - 1, -1, -1):
+            if await wait_set(self._heard, self.timeout_s / PING_SLICES):
+                return True
+            if ping and left:
+                await self._ping()
+        return False
+
+    async def _ping(self) -> None:
+        try:
+            subject = self._items[self._sent - 1][0]     # any subject of the batch's stream
+            await self.nc.publish(subject, b"", reply=f"{self._reply}{self._sent}.{PING}.$FI")
+            self.pings += 1
+        except (nats.errors.Error, OSError):
+            pass                                  # the wait ends in silence and says so
 
     async def _on_reply(self, msg: Msg) -> None:
         self.acks_heard += 1
