@@ -249,7 +249,7 @@ def test_a_sites_surplus_waits_without_a_thread_and_a_drain_gives_it_back(make_c
                          fetch={"per_host_concurrency": 1, "allow_networks": ["127.0.0.0/8"]})
     key, page_s = _key(), 0.3
     busy, others = sites[0], sites[1:4]
-    urls = [busy.url(f"/slow/{page_s}/{key}-b{i}") for i in range(16)]
+    urls = [busy.url(f"/slow/{page_s}/{key}-b{i}") for i in range(32)]
     urls += [o.url(f"/slow/{page_s}/{key}-o{i}") for o in others for i in range(6)]
     assert daemon.publish(urls).returncode == 0
     daemon.start()
