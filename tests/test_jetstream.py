@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import nats
 import pytest
@@ -131,20 +131,21 @@ def ack_in_thread(delay: float) -> Callable[[Worker, Delivery], None]:
     return hook
 
 
-async def _get_msg(url: str, stream: str, seq: int) -> Any:
+async def _with_js(url: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
+    """``call(js)`` on a connection of its own, closed afterwards."""
     nc = await nats.connect(url)
     try:
-        return await nc.jetstream().get_msg(stream, seq)
+        return await call(nc.jetstream())
     finally:
         await nc.close()
+
+
+async def _get_msg(url: str, stream: str, seq: int) -> Any:
+    return await _with_js(url, lambda js: js.get_msg(stream, seq))
 
 
 async def _delete_stream(url: str, stream: str) -> None:
-    nc = await nats.connect(url)
-    try:
-        await nc.jetstream().delete_stream(stream)
-    finally:
-        await nc.close()
+    await _with_js(url, lambda js: js.delete_stream(stream))
 
 
 # -- the lab's reconnect table ---------------------------------------------------------
@@ -278,19 +279,12 @@ async def _add_work_stream(cfg: Config, **changes: Any) -> None:
     from dataclasses import replace
 
     from crawld.transports.jetstream.topology import work_stream_config
-    nc = await nats.connect(cfg.broker.url)
-    try:
-        await nc.jetstream().add_stream(replace(work_stream_config(cfg), **changes))
-    finally:
-        await nc.close()
+    await _with_js(cfg.broker.url, lambda js: js.add_stream(replace(work_stream_config(cfg), **changes)))
 
 
 async def _allows_fast_batches(url: str) -> bool:
-    nc = await nats.connect(url)
-    try:
-        return bool((await nc.jetstream().stream_info(STREAM)).config.allow_batched)
-    finally:
-        await nc.close()
+    info = await _with_js(url, lambda js: js.stream_info(STREAM))
+    return bool(info.config.allow_batched)
 
 
 def test_a_large_publish_is_one_fast_batch_with_a_flow_ack_per_window(server: NatsServer) -> None:

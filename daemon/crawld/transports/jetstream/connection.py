@@ -85,3 +85,10 @@ async def close_quietly(nc: Client | None, timeout: float = 2.0) -> None:
         await asyncio.wait_for(nc.close(), timeout)
     except RETRYABLE:
         pass
+
+
+async def unsubscribe_quietly(sub: Any) -> None:
+    try:
+        await sub.unsubscribe()
+    except (nats.errors.Error, OSError):   # the connection went with it
+        pass

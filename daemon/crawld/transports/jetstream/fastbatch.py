@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 
 from crawld.task import Task
 from crawld.transports.base import ProgressCallback, PublishReport
-from crawld.transports.jetstream.connection import wait_set
+from crawld.transports.jetstream.connection import unsubscribe_quietly, wait_set
 from crawld.transports.jetstream.topology import MSG_ID_HEADER
 
 OUTSTANDING_ACKS = 2        # keep sending the next flow's worth while the server stores one
@@ -71,10 +71,7 @@ class FastBatch:
         try:
             return await self._run(items)
         finally:
-            try:
-                await sub.unsubscribe()
-            except (nats.errors.Error, OSError):
-                pass
+            await unsubscribe_quietly(sub)
 
     async def _run(self, items: list[Item]) -> int:
         if not await self._start(items[0]):
@@ -188,8 +185,7 @@ class FastBatch:
         if final is None:
             return f"no PubAck within {self.timeout_s:g}s"
         if "error" in final:
-            err = final["error"]
-            return f"rejected: {err.get('description')} (err_code {err.get('err_code')})"
+            return rejection(final["error"])
         return f"batch ended early: {json.dumps(final)[:200]}"
 
     def _confirm_to(self, n: int) -> None:
@@ -206,7 +202,13 @@ class FastBatch:
             self.report.failed.setdefault(task.task_id, reason)
 
 
+def rejection(error: dict[str, Any]) -> str:
+    """The failure reason for a PubAck's ``error`` object, as the outbox records it."""
+    return f"rejected: {error.get('description')} (err_code {error.get('err_code')})"
+
+
 Sender = Callable[[str, bytes, str, str], Awaitable[None]]
+HEADER_START = b"NATS/1.0\r\n" + MSG_ID_HEADER.encode() + b": "   # then the id, CRLF CRLF
 
 
 def raw_sender(nc: Client) -> Sender:
@@ -220,7 +222,7 @@ def raw_sender(nc: Client) -> Sender:
     limit = nc.max_payload
 
     async def send(subject: str, body: bytes, reply: str, msg_id: str) -> None:
-        header = b"NATS/1.0\r\n" + MSG_ID_HEADER.encode() + b": " + msg_id.encode() + b"\r\n\r\n"
+        header = HEADER_START + msg_id.encode() + b"\r\n\r\n"
         size = len(header) + len(body)
         if not nc.is_connected or size > limit or "\n" in msg_id or "\r" in msg_id:
             await public(subject, body, reply, msg_id)   # buffering rules and errors as usual

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import nats.errors
 from nats.aio.client import Client
@@ -24,8 +24,8 @@ from crawld.config import Config
 from crawld.task import Task
 from crawld.transports.base import ProgressCallback, PublishReport, Publisher, TopologyError
 from crawld.transports.jetstream.connection import (API_TIMEOUT_S, RETRYABLE, close_quietly, log,
-                                                    open_connection, wait_set)
-from crawld.transports.jetstream.fastbatch import FastBatch
+                                                    open_connection, unsubscribe_quietly, wait_set)
+from crawld.transports.jetstream.fastbatch import FastBatch, rejection
 from crawld.transports.jetstream.topology import MSG_ID_HEADER, ensure_streams, task_subject
 
 
@@ -140,7 +140,7 @@ class AckWindow:
             while self.waiting and await self._hear():
                 pass
         finally:
-            await _unsubscribe(sub)
+            await unsubscribe_quietly(sub)
         for _, task in self.waiting.values():
             self.report.failed[task.task_id] = f"no PubAck within {self.timeout_s:g}s"
         for _, task, _ in items[sent:]:
@@ -198,18 +198,10 @@ def pub_ack_outcome(msg: Msg, subject: str) -> tuple[str | None, bool]:
     except ValueError:
         return f"unreadable PubAck: {msg.data[:200]!r}", False
     if "error" in answer:
-        err = answer["error"]
-        return f"rejected: {err.get('description')} (err_code {err.get('err_code')})", False
+        return rejection(answer["error"]), False
     return None, bool(answer.get("duplicate"))
 
 
 def is_no_stream(msg: Msg) -> bool:
     """The server's "no responders" status: no stream takes the subject."""
     return bool(msg.headers) and msg.headers.get(Header.STATUS.value) == NO_RESPONDERS
-
-
-async def _unsubscribe(sub: Any) -> None:
-    try:
-        await sub.unsubscribe()
-    except (nats.errors.Error, OSError):   # the connection went with it
-        pass
