@@ -216,6 +216,16 @@ def gzip_bomb(compressed: bytes, chunk: int = 16 * 1024) -> Route:
     return route
 
 
+def raw_response(head: bytes, body: bytes = b"") -> Route:
+    """Send ``head`` (status line and header lines, CRLFs as given), a blank line and
+    ``body``, byte for byte, then hang up: for heads a stdlib server would not write."""
+    def route(h: Handler) -> None:
+        h.wfile.write(head + b"\r\n" + body)
+        h.wfile.flush()
+        h.close_connection = True
+    return route
+
+
 def truncated(declared: int, sent: bytes) -> Route:
     """Announce ``declared`` bytes, send fewer, hang up."""
     def route(h: Handler) -> None:

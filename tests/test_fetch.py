@@ -17,12 +17,12 @@ from crawld.fetch import Fetcher, FetchResult, classify_exception, parse_retry_a
 
 try:
     from fetch_servers import (LocalServer, closed_port, drip_body, drip_headers, encoded,
-                               forbid_external_network, gzip_bomb, gzip_zeros, page, redirect,
-                               truncated)
+                               forbid_external_network, gzip_bomb, gzip_zeros, page, raw_response,
+                               redirect, truncated)
 except ImportError:  # tests/ imported as a package
     from tests.fetch_servers import (LocalServer, closed_port, drip_body, drip_headers, encoded,
-                                     forbid_external_network, gzip_bomb, gzip_zeros, page, redirect,
-                                     truncated)
+                                     forbid_external_network, gzip_bomb, gzip_zeros, page,
+                                     raw_response, redirect, truncated)
 
 MB = 1024 * 1024
 
@@ -334,6 +334,33 @@ def test_scrapy_style_stats(make) -> None:
     assert s["fetch/result_count/response"] == 3 and s["fetch/reason_count/connection"] == 1
 
 
+def test_stats_count_every_thread_without_a_lock() -> None:
+    """Each thread writes its own table; readers sum them while the threads keep counting,
+    and threads past MAX_THREAD_COUNTERS share one locked table (bounded memory)."""
+    from crawld.stats import MAX_THREAD_COUNTERS, Stats
+    stats = Stats()
+
+    def count(key: str, n: int) -> None:
+        for _ in range(n):
+            stats.inc(key)
+            stats.inc("bytes", 2)
+    busy = [threading.Thread(target=count, args=("a", 5_000)) for _ in range(8)]
+    for t in busy:
+        t.start()
+    while any(t.is_alive() for t in busy):
+        assert stats.snapshot().get("bytes", 0) <= 2 * 40_000
+    for t in busy:
+        t.join()
+    for _ in range(MAX_THREAD_COUNTERS + 50):
+        t = threading.Thread(target=count, args=("b", 1))
+        t.start()
+        t.join()
+    assert stats.snapshot() == {"a": 40_000, "b": MAX_THREAD_COUNTERS + 50,
+                                "bytes": 2 * (40_000 + MAX_THREAD_COUNTERS + 50)}
+    assert len(stats._tables) == MAX_THREAD_COUNTERS
+    assert stats.get("a") == 40_000 and stats.get("missing", 7) == 7
+
+
 def test_shared_fetcher_across_threads(make) -> None:
     from concurrent.futures import ThreadPoolExecutor
     with LocalServer({"*": page(b"x" * 1000)}) as srv:
@@ -341,3 +368,96 @@ def test_shared_fetcher_across_threads(make) -> None:
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(f.fetch, [srv.url(f"/p{i}") for i in range(200)]))
     assert all(r.kind == "response" and r.body == b"x" * 1000 for r in results)
+
+
+# ----------------------------------------------------------------------------- response heads
+HEAD_NAMES = ["Content-Type", "X-A", "set-cookie", "Set-Cookie", "x~!#$%&'*+-.^_`|", "Bad Name",
+              "", "From ", "X:Y", "\u00e9t\u00e9", "X-Long" * 40]
+HEAD_VALUE_CHARS = "ab; =,/\"\t \x85\x0b\x0c\x1c\x1d\x1e\r\n\x00\xe9\xff:"
+
+
+def _random_head(rng) -> bytes:
+    """A response head as a server might send it: mostly plain, sometimes folded, odd
+    names, line breaks that only str.splitlines() sees, bare LF, a missing terminator."""
+    lines = []
+    for _ in range(rng.randrange(0, 8)):
+        name = rng.choice(HEAD_NAMES)
+        plain = rng.random() < 0.6
+        chars = "abc; =,/" if plain else HEAD_VALUE_CHARS
+        value = "".join(rng.choice(chars) for _ in range(rng.randrange(0, 12)))
+        gap = rng.choice([" ", "", "  ", "\t", " \t"])
+        eol = "\r\n" if plain or rng.random() < 0.8 else "\n"
+        lines.append(f"{name}:{gap}{value}{eol}")
+        if not plain and rng.random() < 0.1:
+            lines.append(f" folded {value}\r\n")
+    end = rng.choice(["\r\n"] * 8 + ["\n", ""])
+    return ("".join(lines) + end).encode("latin-1")
+
+
+def _state(msg) -> dict:  # type: ignore[no-untyped-def]
+    # defects are exceptions, equal only to themselves: compare what they say
+    return {**vars(msg), "defects": [repr(d) for d in msg.defects], "class": type(msg)}
+
+
+def test_fast_head_parser_matches_the_email_parser() -> None:
+    """Differential: every generated head gives the same HTTPMessage (all its state) from
+    our parse_headers as from http.client's, and most plain ones take the fast path."""
+    import http.client
+    import io
+    import random
+
+    from crawld.fetch import responses
+    rng = random.Random(17)
+    fast = 0
+    for _ in range(20_000):
+        head = _random_head(rng)
+        ours = responses.parse_headers(io.BytesIO(head + b"body"))
+        theirs = http.client.parse_headers(io.BytesIO(head + b"body"))
+        assert _state(ours) == _state(theirs), head
+        fast += responses._PLAIN_HEAD.fullmatch(head.decode("latin-1")) is not None
+    assert 2_000 < fast < 18_000, "both paths exercised"
+
+
+def test_plain_and_folded_heads_over_a_real_socket(make, monkeypatch) -> None:
+    """Only the plain head skips the email parser; both read the same as the stdlib would."""
+    import email.parser
+    parsed = []
+
+    class CountingParser(email.parser.Parser):
+        def parsestr(self, text, headersonly=False):  # type: ignore[no-untyped-def]
+            if "User-Agent" not in text:    # not the test server reading our request
+                parsed.append(text)
+            return super().parsestr(text, headersonly)
+    monkeypatch.setattr(email.parser, "Parser", CountingParser)
+    plain = b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nX-A:  one  \r\nX-A: two\r\nContent-Length: 2\r\n"
+    folded = b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nX-B: one\r\n  two\r\nContent-Length: 2\r\n"
+    with LocalServer({"/plain": raw_response(plain, b"hi"), "/folded": raw_response(folded, b"hi")}) as srv:
+        f = make()
+        r_plain = f.fetch(srv.url("/plain"))
+        assert parsed == []
+        r_folded = f.fetch(srv.url("/folded"))
+        assert len(parsed) == 1
+    assert (r_plain.kind, r_plain.body, r_folded.kind, r_folded.body) == ("response", b"hi", "response", b"hi")
+    assert r_plain.hops[-1].response_headers == [("Content-Type", "text/html"), ("X-A", "one  "),
+                                                 ("X-A", "two"), ("Content-Length", "2")]
+    assert r_plain.headers["X-A"] == "one  , two"
+    assert r_folded.headers["X-B"] == "one\r\n  two"
+
+
+def test_pools_found_by_target_and_replaced_when_closed() -> None:
+    from crawld.fetch.netguard import Target
+    from crawld.fetch.pools import GuardedPools, num_pools
+    pools = GuardedPools(4)
+    a = Target("http://a.test/", "http", "a.test", 80, "127.0.0.1", "/")
+    b = Target("https://b.test/", "https", "b.test", 443, "127.0.0.1", "/")
+    pool_a, pool_b = pools.get(a), pools.get(b)
+    assert pools.get(a) is pool_a and pool_a is not pool_b
+    assert (pool_a.host, pool_b.host, pool_b.conn_kw.get("server_hostname")) == ("127.0.0.1", "127.0.0.1", "b.test")
+    pools.manager.clear()   # the manager forgets it (its LRU evicting it)...
+    pool_a.close()          # ...and closes it (as urllib3 1.x did on eviction)
+    assert pools.get(a) is not pool_a and pools.get(a).pool is not None
+    for i in range(3 * num_pools(4)):
+        pools.get(Target(f"http://h{i}.test/", "http", f"h{i}.test", 80, f"127.0.1.{i % 250}", "/"))
+    assert len(pools._pools) <= 2 * num_pools(4)
+    pools.clear()
+    assert pools._pools == {}

@@ -44,7 +44,7 @@ from crawld.fetch.deadline import DeadlineScope, deadline_scope
 from crawld.fetch.netguard import NetGuard, Refusal, Target
 from crawld.fetch.politeness import HostLimiter, PolitenessTimeout
 from crawld.fetch.sites import SiteLimiter
-from crawld.fetch.pools import connection_pool, make_pool_manager
+from crawld.fetch.pools import GuardedPools
 from crawld.fetch.reasons import Kind, Reason
 from crawld.fetch.resolver import DnsResolver, Resolver
 from crawld.fetch.responses import (Hop, capture_hop, classify_exception, content_length,
@@ -74,10 +74,16 @@ class FetchResult:
     redirects: int = 0
     retry_after_s: float | None = None
     elapsed_s: float = 0.0
-    headers: dict[str, str] = field(default_factory=dict)
     chain: list[str] = field(default_factory=list)   # every URL requested, in order
     peer_ip: str = ""                                # the address the last hop connected to
     hops: list[Hop] = field(default_factory=list)    # every exchange with a response, in order
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response's headers as a dict; built on demand, since most pages never ask."""
+        if self.kind != Kind.RESPONSE or not self.hops:
+            return {}
+        return _header_dict(self.hops[-1].response_headers)
 
 
 @dataclass
@@ -105,7 +111,7 @@ class Fetcher:
         resolver = resolver or DnsResolver(cfg.dns_servers, timeout_s=cfg.connect_timeout_s)
         self.guard = NetGuard(cfg.allow_networks, resolver=resolver,
                               dns_timeout_s=cfg.connect_timeout_s)
-        self.pool = make_pool_manager(pool_size, **({"ca_certs": ca_certs} if ca_certs else {}))
+        self.pools = GuardedPools(pool_size, **({"ca_certs": ca_certs} if ca_certs else {}))
         # A shard owner keeps its sites' politeness in memory (sites.py); without partitioning,
         # the workers of one machine share flock files (politeness.py).
         self.limiter: SiteLimiter | HostLimiter = limiter or HostLimiter(
@@ -139,7 +145,7 @@ class Fetcher:
         return self.robots.forget_unreachable() if self.robots is not None else 0
 
     def close(self) -> None:
-        self.pool.clear()
+        self.pools.clear()
         self.guard.close()
 
     # -- the redirect chain --------------------------------------------------------------
@@ -244,7 +250,7 @@ class Fetcher:
         with deadline_scope(task.deadline) as scope:
             resp = None
             try:
-                resp = connection_pool(self.pool, target).urlopen(
+                resp = self.pools.get(target).urlopen(
                     "GET", target.path, headers=headers, redirect=False, retries=False,
                     preload_content=False, decode_content=True, assert_same_host=False,
                     release_conn=False, timeout=timeout)
@@ -281,9 +287,7 @@ class Fetcher:
                                content_type=content_type, peer_ip=target.ip, hops=[hop])
         return FetchResult(Kind.RESPONSE, target.url, http_status=status,
                            content_type=content_type, body=body,
-                           retry_after_s=retry_after, headers=_header_dict(hop.response_headers),
-                           peer_ip=target.ip,
-                           hops=[hop])
+                           retry_after_s=retry_after, peer_ip=target.ip, hops=[hop])
 
     def _read_body(self, resp: Any, max_bytes: int, truncate: bool) -> tuple[bytes, bool]:
         """Stream and decode at most ``max_bytes``; (body, too_large). ``truncate``: cut, no error.
