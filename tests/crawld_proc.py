@@ -146,6 +146,15 @@ class Crawld:
             return []
         return parse_events(self.log_path.read_text(errors="replace"), name)
 
+    def dead_explained(self, limit: int = 5) -> str:
+        """For a failed "nothing dead" assertion: each dead row and its task's log events."""
+        lines = []
+        events = self.events()
+        for row in self.store.list_dead(limit=limit):
+            lines.append(f"dead {row.url} reason={row.reason} attempts={row.attempts} error={row.error}")
+            lines += [f"  {e}" for e in events if e.get("task_id") == row.task_id]
+        return "\n".join(lines)
+
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             tree = self.tree()          # the whole tree while the supervisor's pid is ours

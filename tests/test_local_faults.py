@@ -260,12 +260,13 @@ def test_every_site_unreachable_30s_nothing_dead_all_stored(make_crawld, ten_sit
     wait_until(lambda: len(paused_workers(daemon)) == 2, 30, what="both workers paused on the network")
     assert {w["paused_reason"] for w in paused_workers(daemon, via_cli=True)} == {"network"}
     time.sleep(max(0.0, down_at + 30 - time.time()))
-    assert daemon.count("dead") == 0
+    assert daemon.count("dead") == 0, daemon.dead_explained()
     ten_sites.start()
     up_at = time.time()
     daemon.wait_finished(len(urls), timeout=120)
     assert daemon.stop() == 0
-    assert daemon.count("dead") == 0 and daemon.count("results") == len(urls)
+    assert daemon.count("dead") == 0, daemon.dead_explained()
+    assert daemon.count("results") == len(urls)
     assert daemon.reconcile()[0] == 0
     paused = [e for e in daemon.events("worker_paused") if e["reason"] == "network"]
     resumed = daemon.events("worker_resumed")
