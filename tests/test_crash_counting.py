@@ -3,7 +3,7 @@
 Real supervisor, real workers SIGKILLed, real RabbitMQ and nats-server restarted in full.
 Deliveries a lost connection or a restart handed back are forgiven; a task that still
 reaches ``max_deliver`` through worker deaths runs alone, and only a task that kills its
-worker while alone is dead-lettered, as ``poison``.
+worker in ``LONE_DEATHS`` runs alone is dead-lettered, as ``poison``.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 from crawld_proc import Crawld
 from harness import NatsServer, wait_until
+
+from crawld.pipeline.crashguard import LONE_DEATHS
 
 HEALTHY_BESIDE_POISON = 16
 
@@ -57,8 +59,10 @@ def test_poison_beside_16_healthy_in_flight_is_dead_as_poison_all_16_stored(
     assert daemon.count("results") == HEALTHY_BESIDE_POISON
     assert {r[0] for r in daemon.store.query("SELECT url FROM results")} == set(healthy)
     assert daemon.reconcile()[0] == 0
-    # max_deliver deliveries beside others, then the one run alone that proves it
-    assert len(daemon.events("worker_died")) == 4
+    # max_deliver deliveries beside others, then the runs alone that prove it
+    assert len(daemon.events("worker_died")) == 3 + LONE_DEATHS
+    killed_alone = daemon.events("suspect_killed_alone")
+    assert [(e["url"], e["deaths"]) for e in killed_alone] == [(poison, n) for n in range(1, LONE_DEATHS)]
     isolated = {e["url"] for e in daemon.events("suspect_isolated")}
     assert poison in isolated
     survived = {e["url"] for e in daemon.events("suspect_survived")}

@@ -18,9 +18,11 @@ from typing import Any, Callable, Iterator
 import pytest
 from crawld_proc import with_fault_middleware
 from faults import FaultMiddleware
+from structlog.testing import capture_logs
 
 from crawld.config import Config, ConfigError, FetchConfig, QueueConfig, StoreConfig, WorkersConfig, load_config
 from crawld.fetch import Fetcher
+from crawld.pipeline.crashguard import LONE_DEATHS
 from crawld.pipeline.handler import DeliveryHandler
 from crawld.pipeline.middleware import HOOKS, Middleware, MiddlewareChain, load_middleware
 from crawld.pipeline.outcomes import Reason
@@ -234,17 +236,70 @@ def test_store_counted_redeliveries_hit_the_delivery_limit(make_handler, store, 
     assert handler.handle(d).action is Action.ACK and site.hits(path) == 1
 
 
-def test_quarantine_row_of_a_dead_worker_is_poison_without_a_fetch(make_handler, store, site):
-    """A suspect's alone run that killed its worker leaves its row: the next copy is dead."""
+def _dead_worker() -> str:
+    """The ``host:pid`` of a worker that is gone: a process that ran and was reaped."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return f"{socket.gethostname()}:{gone.pid}"
+
+
+def _killed_alone(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in logs if e["event"] == "suspect_killed_alone"]
+
+
+def test_first_lone_death_runs_the_suspect_alone_again(make_handler, store, site):
+    """A quarantine row left by a dead worker is one lone death, not proof (an outside
+    SIGKILL may have hit a healthy suspect): counted, logged, and the task runs alone again."""
     path = f"/fast/{_key()}"
     task_id, d = task_delivery(site.url(path), redelivered=True, broker_redeliveries=MAX_DELIVER + 1)
-    dead_pid = subprocess.Popen(["true"])
-    dead_pid.wait()
-    store.quarantine_begin(task_id, f"{socket.gethostname()}:{dead_pid.pid}")
-    settlement = make_handler().handle(d)
+    worker = _dead_worker()
+    store.quarantine_begin(task_id, worker)
+    handler = make_handler()
+    with capture_logs() as logs:
+        guard = handler.guard.check(d, new_task(site.url(path)))
+    assert guard.suspect and guard.dead is None
+    [event] = _killed_alone(logs)
+    assert (event["task_id"], event["deaths"], event["worker"]) == (task_id, 1, worker)
+    assert event["url"] == site.url(path) and event["attempt"] == 1
+    assert store.quarantined(task_id)["deaths"] == 1
+    settlement = handler.handle(d)          # alone again, and this time it survives
+    assert (settlement.action, settlement.reason) == (Action.ACK, "fetched")
+    assert site.hits(path) == 1 and store.list_dead(task_ids=[task_id]) == []
+    assert store.quarantined(task_id) is None, "a survived run forgets the death"
+
+
+def test_second_lone_death_is_dead_as_poison_without_a_fetch(make_handler, store, site):
+    """LONE_DEATHS lone runs that killed their worker: the next copy is dead as poison."""
+    path = f"/fast/{_key()}"
+    task_id, d = task_delivery(site.url(path), redelivered=True, broker_redeliveries=MAX_DELIVER + 2)
+    handler = make_handler()
+    store.quarantine_begin(task_id, _dead_worker())
+    assert handler.guard.check(d, new_task(site.url(path))).suspect
+    store.quarantine_begin(task_id, _dead_worker())     # its second run alone, killed too
+    with capture_logs() as logs:
+        settlement = handler.handle(d)
     assert (settlement.action, settlement.reason) == (Action.DEAD, Reason.POISON)
+    assert settlement.error == f"killed its worker in {LONE_DEATHS} runs alone"
+    assert settlement.error == "killed its worker in 2 runs alone"
+    assert _killed_alone(logs) == [], "the final death is the dead row, not a warning"
     assert site.hits(path) == 0
-    assert store.list_dead(task_ids=[task_id])[0].reason == "poison"
+    [dead] = store.list_dead(task_ids=[task_id])
+    assert (dead.reason, dead.error) == ("poison", settlement.error)
+    assert store.quarantined(task_id)["deaths"] == LONE_DEATHS
+
+
+def test_a_lone_death_is_counted_once_when_checked_twice(make_handler, store, site):
+    """Two copies of the task finding the row (two workers, or one check run again): one
+    death, one event, and both copies are suspects that run alone, neither is dead."""
+    path = f"/fast/{_key()}"
+    task_id, d = task_delivery(site.url(path), redelivered=True, broker_redeliveries=MAX_DELIVER + 1)
+    store.quarantine_begin(task_id, _dead_worker())
+    first, second = make_handler(), make_handler()
+    with capture_logs() as logs:
+        guards = [h.guard.check(d, new_task(site.url(path))) for h in (first, second, first)]
+    assert [(g.suspect, g.dead) for g in guards] == [(True, None)] * 3
+    assert len(_killed_alone(logs)) == 1
+    assert store.quarantined(task_id)["deaths"] == 1 and store.quarantined(task_id)["worker"] == ""
 
 
 def test_quarantine_row_of_a_live_worker_is_not_poison(make_handler, store, site):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import sqlite3
 import threading
 import time
 import uuid
@@ -251,3 +252,59 @@ def test_group_commit_is_durable_per_caller_and_isolates_errors(store, fresh_rea
     assert store.has_result("after-bad") and not store.has_result("bad")
     assert fresh_reader.has_result("after-bad") and not fresh_reader.has_result("bad")
     assert store.query("SELECT COUNT(*) FROM results")[0][0] == 320 + 1 + callers - 1 + 1
+
+
+# -- quarantine: a suspect's lone runs and the deaths they caused -----------------------------
+def test_quarantine_death_counts_each_lone_death_once(store):
+    store.quarantine_begin("t", "h:1")
+    assert store.quarantined("t")["deaths"] == 0
+    assert store.quarantine_death("t", "h:1") == 1
+    assert store.quarantine_death("t", "h:1") == 1, "the same death found twice counts once"
+    assert store.quarantined("t")["worker"] == ""
+    store.quarantine_begin("t", "h:2")                   # alone again: the count stays
+    assert (store.quarantined("t")["worker"], store.quarantined("t")["deaths"]) == ("h:2", 1)
+    assert store.quarantine_death("t", "h:1") == 1, "an earlier run's worker counts nothing"
+    assert store.quarantine_death("t", "h:2") == 2
+    store.quarantine_end("t")                            # a run that survived forgets them
+    assert store.quarantined("t") is None and store.quarantine_death("t", "h:2") == 0
+    store.quarantine_begin("t", "h:3")
+    store.quarantine_death("t", "h:3")
+    store.reset_delivery_counts(["t"])                   # a replay starts over
+    assert store.quarantined("t") is None
+
+
+OLD_QUARANTINE = ("CREATE TABLE quarantine (task_id TEXT PRIMARY KEY, worker TEXT NOT NULL, "
+                  "started_at DOUBLE PRECISION NOT NULL)")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def old_quarantine_url(request, tmp_path) -> str:
+    """A database whose quarantine table an older crawld created (no deaths), one row in it."""
+    insert = "INSERT INTO quarantine (task_id, worker, started_at) VALUES ('old', 'h:1', 1.0)"
+    if request.param == "sqlite":
+        path = tmp_path / "old.db"
+        with sqlite3.connect(path) as conn:
+            conn.execute(OLD_QUARANTINE)
+            conn.execute(insert)
+        return f"sqlite:///{path}"
+    import psycopg
+    url = request.getfixturevalue("postgres").create_database(f"q{uuid.uuid4().hex[:10]}")
+    with psycopg.connect(url) as conn:
+        conn.execute(OLD_QUARANTINE)
+        conn.execute(insert)
+    return url
+
+
+def test_older_quarantine_table_gains_deaths_and_keeps_its_rows(old_quarantine_url, tmp_path):
+    store = open_store(StoreConfig(url=old_quarantine_url, body_dir=str(tmp_path / "bodies")))
+    try:
+        assert store.quarantined("old") == {"worker": "h:1", "started_at": 1.0, "deaths": 0}
+        assert store.quarantine_death("old", "h:1") == 1
+    finally:
+        store.close()
+    again = open_store(StoreConfig(url=old_quarantine_url, body_dir=str(tmp_path / "bodies")))
+    try:                                 # migrating twice is a no-op; the count survived
+        run = again.quarantined("old")
+        assert (run["worker"], run["deaths"]) == ("", 1)
+    finally:
+        again.close()

@@ -10,9 +10,13 @@ A task whose count reaches the limit is only a *suspect*: on quorum queues and J
 every delivery in a dying worker is counted, so it may just have shared the worker with
 the real poison. The suspect runs alone (``Isolation``: no other fetch in flight in its
 worker), with a quarantine row written first. Its next delivery finding that row, left by
-a worker that is gone, proves the run killed the worker: dead as ``poison``. A suspect
-that survives is handled like any task; it can never loop, since a second death while
-alone is final.
+a worker that is gone, means the run killed the worker: one lone death, counted in the
+row. One is not proof: an outside SIGKILL (the OOM killer, an operator, a chaos test) can
+land on a healthy suspect during its short run, so the suspect runs alone again, and only
+``LONE_DEATHS`` (2) lone runs that killed their worker make it dead as ``poison``. A real
+poison task thus costs ``max_deliver + LONE_DEATHS`` worker deaths. Nothing loops: each
+lone run either survives, and the task is handled like any task (its row and count go),
+or adds a death, and the ``LONE_DEATHS``-th is final.
 """
 from __future__ import annotations
 
@@ -33,6 +37,10 @@ from crawld.task import Task
 from crawld.transports.base import Delivery
 
 log = get_logger("crawld.crashguard")
+
+# Lone runs that killed their worker before a suspect is dead as poison: one can be an
+# outside kill that happened to land on it; two in a row, each alone, is the task.
+LONE_DEATHS = 2
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,22 @@ class CrashGuard:
         again = delivery.redelivered or attempt > 1 or bool(delivery.broker_redeliveries)
         if not again:
             return Guard(attempt)                     # a first delivery: no store read at all
-        run = self.store.quarantined(task.task_id)
-        if run is not None and not _alive(run["worker"]):
+        deaths, worker = self._quarantined(task)
+        if deaths >= LONE_DEATHS:
             return Guard(attempt, dead=Decision(
                 Verdict.DEAD, reason=Reason.POISON,
-                error=f"killed its worker {run['worker']} while running alone"))
+                error=f"killed its worker in {LONE_DEATHS} runs alone"))
+        guard = self._counted(delivery, task, attempt)
+        if not deaths or guard.dead is not None:
+            return guard
+        if worker:      # counted by this check: one event per death, not per copy that finds it
+            log.warning("suspect_killed_alone", task_id=task.task_id, url=task.url,
+                        attempt=guard.attempt, deaths=deaths, worker=worker)
+        # A lone death may have been an outside kill: alone again, whatever the count says.
+        return Guard(guard.attempt, suspect=True)
+
+    def _counted(self, delivery: Delivery, task: Task, attempt: int) -> Guard:
+        """The guard from the delivery count alone (forgiven deliveries off)."""
         forgiven = self.store.forgiven(task.task_id)
         if self.counts_deliveries and delivery.broker_redeliveries is None:
             attempt = max(1, attempt - forgiven)      # JetStream: num_delivered counts all
@@ -76,6 +95,18 @@ class CrashGuard:
         if count is None and delivery.redelivered:
             count = self.store.bump_redelivery(task.task_id)
         return Guard(attempt, suspect=count is not None and count - forgiven >= self.limit)
+
+    def _quarantined(self, task: Task) -> tuple[int, str]:
+        """Lone runs of ``task`` that killed their worker, and the worker whose death this
+        call counted ('' if none). A row left by a worker still alive (its run ended in a
+        store error, or still runs) adds no death."""
+        run = self.store.quarantined(task.task_id)
+        if run is None:
+            return 0, ""
+        worker = run["worker"]
+        if worker and not _alive(worker):
+            return self.store.quarantine_death(task.task_id, worker), worker
+        return run["deaths"], ""
 
     # -- forgiveness ------------------------------------------------------------------
     def forgive(self, task_ids: list[str]) -> None:

@@ -19,7 +19,7 @@ class Reason(enum.StrEnum):
     STORE_UNAVAILABLE = "store_unavailable"   # cannot even write the dead row: retry later
     DRAINING = "draining"                     # given back unstarted during a graceful stop
     EVENT_UNCONFIRMED = EVENT_UNCONFIRMED     # stored, but the result event was not confirmed
-    POISON = "poison"                         # killed its worker while running alone
+    POISON = "poison"                         # killed its worker in two runs alone
     SITE_PAUSED = "site_paused"               # its site asked us to wait: back later, no attempt
     SITE_BUSY = "site_busy"                   # its site's turn is too far away: back later, no attempt
     HOOK_ERROR = "hook_error"                 # a [pipeline] hooks callable raised on the page

@@ -39,9 +39,11 @@ SCHEMA = [
     # deliveries given back through no fault of the task (store/ledger.py)
     """CREATE TABLE IF NOT EXISTS forgiven (
         task_id TEXT PRIMARY KEY, count INTEGER NOT NULL, last_at DOUBLE PRECISION NOT NULL)""",
-    # a suspect running alone; still here on its next delivery = it killed its worker
+    # a suspect running alone; still here on its next delivery = it killed its worker.
+    # deaths: lone runs that did so (counted once each: the count clears worker)
     """CREATE TABLE IF NOT EXISTS quarantine (
-        task_id TEXT PRIMARY KEY, worker TEXT NOT NULL, started_at DOUBLE PRECISION NOT NULL)""",
+        task_id TEXT PRIMARY KEY, worker TEXT NOT NULL, started_at DOUBLE PRECISION NOT NULL,
+        deaths INTEGER NOT NULL DEFAULT 0)""",
     # a stored page whose hooks ran and whose discovered URLs are confirmed (pipeline/hooks.py);
     # a stored page without a row here has its hooks run again on its next delivery
     """CREATE TABLE IF NOT EXISTS hooks_done (
@@ -64,7 +66,8 @@ ADDED_COLUMNS = {"results": (("warc_file", "TEXT NOT NULL DEFAULT ''"),
                              ("warc_offset", "INTEGER"), ("warc_length", "INTEGER")),
                  "outbox": (("depth", "INTEGER NOT NULL DEFAULT 0"),
                             ("parent", "TEXT NOT NULL DEFAULT ''"),
-                            ("extra", "TEXT NOT NULL DEFAULT ''"))}
+                            ("extra", "TEXT NOT NULL DEFAULT ''")),
+                 "quarantine": (("deaths", "INTEGER NOT NULL DEFAULT 0"),)}
 
 
 # Indexes on added columns: created after the migration added them to an older table;
