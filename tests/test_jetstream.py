@@ -499,6 +499,33 @@ def test_close_releases_unsettled_at_once(server: NatsServer) -> None:
     assert jetstream_stats(cfg)["messages"] == 0
 
 
+def test_close_forgives_what_was_pulled_but_never_handed_out(server: NatsServer) -> None:
+    """Messages a pull brought after the worker's slots were gone wait in the backlog; the
+    server counted them as delivered, so giving them back must forgive them, or each close
+    or shard hand-over they wait through would cost them an attempt (and, at max_deliver,
+    the task)."""
+    cfg = make_cfg(server.url, ack_wait_s=30.0, partition="none")   # one pull, sized by the slots
+    publish(cfg, "a", "b", "c")
+    w1 = Worker(cfg, "w1")
+    sizes = iter([3])           # the pull is sized for 3, then the slots are gone (paused)
+    w1.free_slots = lambda: next(sizes, 0)      # type: ignore[method-assign]
+    forgiven: list[Delivery] = []
+    w1.t.set_giveback_listener(forgiven.extend)
+    w1.start()
+    w1.poll_until(lambda: len(w1.t._backlog) == 3, what="three messages in the backlog")
+    assert w1.got == [] and forgiven == []
+    w1.t.stop_consuming()
+    w1.t.close()
+    assert sorted(key(d) for d in forgiven) == ["a", "b", "c"]
+    w2 = Worker(cfg, "w2").start()
+    w2.poll_until(lambda: len(w2.got) == 3, timeout=5, what="released backlog")
+    assert {key(d): d.attempt for d in w2.got} == {"a": 2, "b": 2, "c": 2}, "given back at once"
+    for d in w2.got:
+        w2.settle(d, Action.ACK)
+    w2.poll_until(w2.settled_all)
+    w2.t.close()
+
+
 def test_worker_style_drain_leaves_nothing_waiting_on_ack_wait(server: NatsServer) -> None:
     """The lead's loop: pool threads settle; stop, finish in-flight, close. What was
     prefetched but never started is naked by close(), not left to AckWait."""

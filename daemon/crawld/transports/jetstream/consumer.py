@@ -323,13 +323,16 @@ class JetStreamTransport(ShardMixin, SettleMixin, Transport):
         pull.rebind = False
         log.info("jetstream_consumer_bound", consumer=pull.durable, stream=STREAM)
 
-    def _dispatch(self, msg: Msg) -> None:
+    def _delivery_of(self, msg: Msg) -> Delivery:
         md = msg.metadata
         headers = dict(msg.headers or {})
-        delivery = Delivery(body=msg.data, message_id=headers.get(MSG_ID_HEADER),
-                            attempt=md.num_delivered, redelivered=md.num_delivered > 1,
-                            origin=msg.subject, handle=msg, headers=headers,
-                            stream_seq=md.sequence.stream)
+        return Delivery(body=msg.data, message_id=headers.get(MSG_ID_HEADER),
+                        attempt=md.num_delivered, redelivered=md.num_delivered > 1,
+                        origin=msg.subject, handle=msg, headers=headers,
+                        stream_seq=md.sequence.stream)
+
+    def _dispatch(self, msg: Msg) -> None:
+        delivery = self._delivery_of(msg)
         self._held[id(msg)] = Held(msg, delivery, self._generations.current, time.monotonic())
         try:
             assert self._on_delivery is not None
@@ -407,15 +410,23 @@ class JetStreamTransport(ShardMixin, SettleMixin, Transport):
         await close_quietly(self._nc)
 
     async def _release_all(self) -> None:
-        held = [h.msg for h in self._held.values() if not h.settling]
-        self.gave_back(h.delivery for h in self._held.values() if not h.settling)
+        unsettled = [h for h in self._held.values() if not h.settling]
         leftovers = [m for p in self._pulls.values() for m in p.leftovers()]
-        await self._release(held + list(self._backlog) + leftovers)
+        undelivered = list(self._backlog) + leftovers
+        self.gave_back([h.delivery for h in unsettled] + self._deliveries_of(undelivered))
+        held = [h.msg for h in unsettled]
+        await self._release(held + undelivered)
         if held or leftovers:
             log.info("unsettled_released", transport="jetstream", unsettled=len(held),
                      undelivered=len(leftovers))
         self._held.clear()
         self._backlog.clear()
+
+    def _deliveries_of(self, undelivered: list[Msg]) -> list[Delivery]:
+        """Messages pulled but never handed to the worker, as deliveries to forgive when they
+        are given back: the server counted them as delivered, so without forgiveness every
+        close or shard hand-over a message waits through in a backlog costs it an attempt."""
+        return [self._delivery_of(m) for m in undelivered]
 
     async def _release(self, msgs: list[Msg]) -> None:
         """Nak at once (redelivered now, not after AckWait), all in parallel, and wait for

@@ -21,7 +21,7 @@ import asyncio
 import json
 import time
 from collections import Counter, deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import nats.errors
 from nats.aio.client import Client
@@ -32,6 +32,7 @@ from nats.js.api import ConsumerConfig
 from crawld.config import Config
 from crawld.fleet.partition import shard_of
 from crawld.task import MalformedMessage, Task, parse_message
+from crawld.transports.base import Delivery
 from crawld.transports.jetstream.connection import API_TIMEOUT_S, log
 from crawld.transports.jetstream.leases import RENEW_EVERY_S, Plan, ShardLeases, open_bucket
 from crawld.transports.jetstream.pulls import Pull
@@ -104,6 +105,8 @@ class ShardMixin:
     _take: Callable[[list[Msg]], None]
     _start_pull: Callable[[Pull], None]
     _release: Callable[[list[Msg]], Any]
+    _deliveries_of: Callable[[list[Msg]], list[Delivery]]
+    gave_back: Callable[[Iterable[Delivery]], None]
     _safe: Callable[..., Any]
 
     # -- status hooks ------------------------------------------------------------------
@@ -339,6 +342,7 @@ class ShardMixin:
         if mine:
             self._backlog = deque(m for m in self._backlog if m.subject != pull.subject)
         undelivered = mine + pull.leftovers()
+        self.gave_back(self._deliveries_of(undelivered))
         await self._release(undelivered)
         await pull.unsubscribe()
         self._pulls.pop(pull.durable, None)
