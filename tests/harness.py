@@ -197,6 +197,25 @@ class NatsServer(servers.NatsServer):
 DEFAULT_FETCH = {"allow_networks": ["127.0.0.0/8"]}  # the test site is on loopback (SSRF guard)
 
 
+def older_database(request: Any, tmp_path: Path, *statements: str) -> str:
+    """The URL of a database an older crawld left (its ``statements`` run in it), on the
+    back end ``request.param`` names: "sqlite" or "postgresql" (the session's server)."""
+    import sqlite3
+    import uuid
+    if request.param == "sqlite":
+        path = tmp_path / "old.db"
+        with sqlite3.connect(path) as conn:
+            for statement in statements:
+                conn.execute(statement)
+        return f"sqlite:///{path}"
+    import psycopg
+    url = request.getfixturevalue("postgres").create_database(f"o{uuid.uuid4().hex[:10]}")
+    with psycopg.connect(url) as conn:
+        for statement in statements:
+            conn.execute(statement)
+    return url
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from typing import Any
 import fastwarc.warc as fastwarc
 import pika
 import pytest
-from harness import NatsServer, wait_until
+from harness import NatsServer, older_database, wait_until
 from test_warc import fastwarc_slice, warcio_check
 from warcio.archiveiterator import ArchiveIterator
 
@@ -297,20 +296,9 @@ OLD_RESULTS = _old_results_ddl()
 @pytest.fixture(params=["sqlite", "postgresql"])
 def old_store_url(request, tmp_path) -> str:
     """A database whose results table an older crawld created, holding one row."""
-    insert = ("INSERT INTO results (task_id, url, status, fetched_at) "
-              "VALUES ('old', 'http://h/old', 'fetched', 1.0)")
-    if request.param == "sqlite":
-        path = tmp_path / "old.db"
-        with sqlite3.connect(path) as conn:
-            conn.execute(OLD_RESULTS)
-            conn.execute(insert)
-        return f"sqlite:///{path}"
-    import psycopg
-    url = request.getfixturevalue("postgres").create_database(f"o{uuid.uuid4().hex[:10]}")
-    with psycopg.connect(url) as conn:
-        conn.execute(OLD_RESULTS)
-        conn.execute(insert)
-    return url
+    return older_database(request, tmp_path, OLD_RESULTS,
+                          "INSERT INTO results (task_id, url, status, fetched_at) "
+                          "VALUES ('old', 'http://h/old', 'fetched', 1.0)")
 
 
 def test_older_results_table_gains_the_warc_columns(old_store_url, tmp_path):

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import multiprocessing
-import sqlite3
 import threading
 import time
 import uuid
 from typing import Any, Callable
 
 import pytest
+from harness import older_database
 
 from crawld.config import StoreConfig
 from crawld.store import DeadRow, ResultRow, open_store
@@ -280,19 +280,8 @@ OLD_QUARANTINE = ("CREATE TABLE quarantine (task_id TEXT PRIMARY KEY, worker TEX
 @pytest.fixture(params=["sqlite", "postgresql"])
 def old_quarantine_url(request, tmp_path) -> str:
     """A database whose quarantine table an older crawld created (no deaths), one row in it."""
-    insert = "INSERT INTO quarantine (task_id, worker, started_at) VALUES ('old', 'h:1', 1.0)"
-    if request.param == "sqlite":
-        path = tmp_path / "old.db"
-        with sqlite3.connect(path) as conn:
-            conn.execute(OLD_QUARANTINE)
-            conn.execute(insert)
-        return f"sqlite:///{path}"
-    import psycopg
-    url = request.getfixturevalue("postgres").create_database(f"q{uuid.uuid4().hex[:10]}")
-    with psycopg.connect(url) as conn:
-        conn.execute(OLD_QUARANTINE)
-        conn.execute(insert)
-    return url
+    return older_database(request, tmp_path, OLD_QUARANTINE,
+                          "INSERT INTO quarantine (task_id, worker, started_at) VALUES ('old', 'h:1', 1.0)")
 
 
 def test_older_quarantine_table_gains_deaths_and_keeps_its_rows(old_quarantine_url, tmp_path):
