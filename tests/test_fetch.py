@@ -429,8 +429,12 @@ def test_plain_and_folded_heads_over_a_real_socket(make, monkeypatch) -> None:
                 parsed.append(text)
             return super().parsestr(text, headersonly)
     monkeypatch.setattr(email.parser, "Parser", CountingParser)
-    plain = b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nX-A:  one  \r\nX-A: two\r\nContent-Length: 2\r\n"
-    folded = b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nX-B: one\r\n  two\r\nContent-Length: 2\r\n"
+    # Connection: close, as the server hangs up: a pooled connection could be reused before
+    # its FIN arrived, and the second fetch would then fail on a dead socket
+    plain = (b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nX-A:  one  \r\nX-A: two\r\n"
+             b"Content-Length: 2\r\nConnection: close\r\n")
+    folded = (b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nX-B: one\r\n  two\r\n"
+              b"Content-Length: 2\r\nConnection: close\r\n")
     with LocalServer({"/plain": raw_response(plain, b"hi"), "/folded": raw_response(folded, b"hi")}) as srv:
         f = make()
         r_plain = f.fetch(srv.url("/plain"))
@@ -439,7 +443,8 @@ def test_plain_and_folded_heads_over_a_real_socket(make, monkeypatch) -> None:
         assert len(parsed) == 1
     assert (r_plain.kind, r_plain.body, r_folded.kind, r_folded.body) == ("response", b"hi", "response", b"hi")
     assert r_plain.hops[-1].response_headers == [("Content-Type", "text/html"), ("X-A", "one  "),
-                                                 ("X-A", "two"), ("Content-Length", "2")]
+                                                 ("X-A", "two"), ("Content-Length", "2"),
+                                                 ("Connection", "close")]
     assert r_plain.headers["X-A"] == "one  , two"
     assert r_folded.headers["X-B"] == "one\r\n  two"
 
