@@ -106,6 +106,12 @@ def worker_pids_seen(daemon: Crawld) -> set[int]:
 
 # -- two hosts, one broker, one PostgreSQL ----------------------------------------------------
 TWO_HOST_TASKS = 5000
+# Published once the killed host is back: latency-bound work, so the restarted host finds
+# some left whatever this machine's speed (host B's 32 threads alone need 1000 x 0.2 s / 32
+# = 6 s for it, a rebalance a balance round or two). Fast pages alone were all done by B
+# before A's new workers got a shard on a quick machine.
+LATE_TASKS = 1000
+LATE_PAGE_S = 0.2
 
 
 @pytest.mark.parametrize("queue_type", ["classic", "quorum"])
@@ -138,7 +144,10 @@ def test_two_hosts_one_postgres_host_killed_midrun(make_host, rabbit, sites, pg_
     # B keeps running: with B SIGSTOPped here, A's `crawld run` hung at start (the store
     # opened before forking waits on B's open PostgreSQL transactions).
     host_a.wait_workers(2, timeout=60)
-    host_b.wait_finished(TWO_HOST_TASKS, timeout=150)
+    late = [sites[i % len(sites)].url(f"/slow/{LATE_PAGE_S}/{key}-late-{i}") for i in range(LATE_TASKS)]
+    assert host_a.publish(late).returncode == 0
+    total = TWO_HOST_TASKS + LATE_TASKS
+    host_b.wait_finished(total, timeout=150)
     t_run = time.monotonic() - t1
     time.sleep(1.0)           # let stray redeliveries be consumed (skipped as duplicates)
     assert host_a.stop() == 0
@@ -146,9 +155,8 @@ def test_two_hosts_one_postgres_host_killed_midrun(make_host, rabbit, sites, pg_
 
     rc, rec = host_b.reconcile()
     assert rc == 0 and rec["lost"] == [], rec
-    assert host_a.count("results") == TWO_HOST_TASKS
-    assert host_a.store.query("SELECT COUNT(*), COUNT(DISTINCT task_id) FROM results")[0] == \
-        (TWO_HOST_TASKS, TWO_HOST_TASKS)
+    assert host_a.count("results") == total
+    assert host_a.store.query("SELECT COUNT(*), COUNT(DISTINCT task_id) FROM results")[0] == (total, total)
     assert host_a.count("dead") == 0
     assert rabbit.queue_depth(_queue(host_a)) == 0
     assert rabbit.work_depth(_queue(host_a)) == 0           # and the shards, when partitioned
@@ -160,12 +168,13 @@ def test_two_hosts_one_postgres_host_killed_midrun(make_host, rabbit, sites, pg_
     done_b = sum(n for w, n in by_worker.items() if int(w.rsplit(":", 1)[1]) in pids_b)
     after_restart = sum(n for w, n in by_worker.items()
                         if int(w.rsplit(":", 1)[1]) in pids_a - set(killed))
-    assert done_a + done_b == TWO_HOST_TASKS
+    assert done_a + done_b == total
     assert done_a > 0 and done_b > 0
     assert after_restart > 0, "the restarted host A's new workers stored tasks"
     dup_writes = host_a.store.query("SELECT COUNT(*) FROM results WHERE writes > 1")[0][0]
     skipped = len(host_a.events("duplicate_skipped")) + len(host_b.events("duplicate_skipped"))
-    _log(f"two hosts ({queue_type}): publish {TWO_HOST_TASKS} in {t_pub:.1f}s; killed host A "
+    _log(f"two hosts ({queue_type}): publish {TWO_HOST_TASKS} in {t_pub:.1f}s (and {LATE_TASKS} "
+         f"slow ones after the restart); killed host A "
          f"({len(killed)} processes) at {done_at_kill} done, {t_kill:.1f}s in; all done "
          f"{t_run:.1f}s after start; host A {done_a} (after restart {after_restart}), host B "
          f"{done_b}; rows stored twice {dup_writes}, redeliveries skipped as done {skipped}")

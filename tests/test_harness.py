@@ -356,3 +356,20 @@ def test_teardown_leaves_no_processes(own: OwnServers) -> None:
     for marker in own.markers:
         assert leftover_processes(marker) == []
         assert not Path(marker).exists()
+
+
+def test_site_refuse_is_immediate_for_new_and_open_connections() -> None:
+    """Tests that take many sites down "together" rely on refuse() acting at once."""
+    own_site = TestSite().start()
+    try:
+        kept = http.client.HTTPConnection(own_site.host, own_site.port, timeout=5)
+        kept.request("GET", "/fast/a")
+        assert kept.getresponse().read()           # a keep-alive connection, open
+        own_site.refuse()
+        with pytest.raises(ConnectionRefusedError):
+            http.client.HTTPConnection(own_site.host, own_site.port, timeout=5).request("GET", "/fast/b")
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+            kept.request("GET", "/fast/c")
+            kept.getresponse()
+    finally:
+        own_site.stop()

@@ -219,6 +219,9 @@ class Sites:
         return [s.url(f"/{path}/{key}-{j}") for j in range(per_site) for s in self.sites]
 
     def stop(self, which: list[TestSite] | None = None) -> None:
+        """All of them unreachable at the same moment, like a host whose network fails."""
+        for s in which or self.sites:
+            s.refuse()
         for s in which or self.sites:
             s.stop()
 

@@ -206,19 +206,28 @@ class TestSite:
         self._thread.start()
         return self
 
+    def refuse(self) -> None:
+        """Unreachable from now on, at once: new connections are refused and open ones
+        dropped, without waiting for the serving thread (``stop`` finishes the job). Many
+        sites that must go down together call this on each first: stopping them one by
+        one takes a poll interval each, and under load the first would be down for
+        seconds while the others still answer."""
+        if self._server is None:
+            return
+        self._stop.set()  # wakes /slow/ sleepers
+        try:
+            self._server.socket.shutdown(socket.SHUT_RDWR)   # Linux: stops listening
+        except OSError:
+            pass
+        self._drop_connections()
+
     def stop(self) -> None:
         if self._server is None:
             return
         self._stop.set()  # wakes /slow/ sleepers
         self._server.shutdown()
         self._server.server_close()
-        with self._conns_lock:
-            conns = list(self._conns)
-        for conn in conns:  # keep-alive connections would otherwise stay open after stop
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._drop_connections()   # keep-alive connections would otherwise stay open
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._server = None
@@ -249,6 +258,15 @@ class TestSite:
     def max_concurrent(self, prefix: str | None = None) -> int:
         """Most requests in flight at once, overall or for paths starting with ``prefix``."""
         return self._stats.max_concurrent(prefix)
+
+    def _drop_connections(self) -> None:
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def start_times(self, prefix: str = "/") -> list[float]:
         """``time.monotonic()`` of each request for paths starting with ``prefix``, in order."""
