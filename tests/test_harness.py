@@ -360,8 +360,7 @@ def test_teardown_leaves_no_processes(own: OwnServers) -> None:
 
 def test_site_refuse_is_immediate_for_new_and_open_connections() -> None:
     """Tests that take many sites down "together" rely on refuse() acting at once."""
-    own_site = TestSite().start()
-    try:
+    with TestSite() as own_site:
         kept = http.client.HTTPConnection(own_site.host, own_site.port, timeout=5)
         kept.request("GET", "/fast/a")
         assert kept.getresponse().read()           # a keep-alive connection, open
@@ -371,5 +370,3 @@ def test_site_refuse_is_immediate_for_new_and_open_connections() -> None:
         with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
             kept.request("GET", "/fast/c")
             kept.getresponse()
-    finally:
-        own_site.stop()
