@@ -253,11 +253,12 @@ def test_a_sites_surplus_waits_without_a_thread_and_a_drain_gives_it_back(make_c
     urls += [o.url(f"/slow/{page_s}/{key}-o{i}") for o in others for i in range(6)]
     assert daemon.publish(urls).returncode == 0
     daemon.start()
+    wait_until(lambda: sum(o.total_hits(f"/slow/{page_s}/{key}-o") for o in others) >= 18, 30,
+               what="the other sites started")
+    # Now only the busy site has work left: the threads it cannot use hold its surplus.
     waiting = wait_for_status(daemon, lambda r: any(w.get("waiting_for_site", 0) >= 1
                                                     for w in r["supervisor"]["workers"]))
     assert all(w["inflight"] >= w["waiting_for_site"] for w in waiting["supervisor"]["workers"])
-    wait_until(lambda: sum(o.total_hits(f"/slow/{page_s}/{key}-o") for o in others) >= 18, 30,
-               what="the other sites done")
     assert daemon.stop() == 0
     drained = daemon.events("worker_drained")
     assert drained and drained[-1]["released"] >= 1, drained    # the busy site's parked tasks

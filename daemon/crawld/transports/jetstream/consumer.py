@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from crawld.config import Config, redact_url
-from crawld.fleet.partition import shard_pull_cap
+from crawld.fleet.partition import shard_pull_cap, shard_window
 from crawld.transports.base import Delivery, DeliveryCallback, Transport
 from crawld.transports.common import Generations, PendingSettlements
 from crawld.transports.jetstream.connection import (API_TIMEOUT_S, close_quietly, log, open_connection,
@@ -79,6 +79,7 @@ class JetStreamTransport(ShardMixin, SettleMixin, Transport):
         self.drift: dict[str, dict[str, Any]] = {}
         self._partitioned = partitioned(cfg)
         self._pull_cap = shard_pull_cap(cfg)         # of one shard's pulls (shards.py)
+        self._window = shard_window(cfg)             # without a cap, what a shard always may hold
         self._leases = ShardLeases(None, worker_id, cfg.queue.shards, cost=self._inflight_of,
                                      busy=self._busy_shard, on_claimed=self.shard_acquired) \
             if self._partitioned else None

@@ -89,6 +89,7 @@ class ShardMixin:
     _held: dict[int, Held]
     _backlog: deque[Msg]
     _pull_cap: int | None
+    _window: int
     _leases: ShardLeases | None
     _replies: Replies
     _lease_task: asyncio.Task[None] | None
@@ -149,11 +150,12 @@ class ShardMixin:
     def _allocate(self) -> None:
         """Grant the worker's free slots to waiting shard pulls, so all requests in flight
         together never bring more than it can start. Busy shards (the server said more
-        are pending) first, those holding the fewest here (under a cap) and then the
-        longest-waiting first, up to what they have pending and to
-        their cap (fleet.partition.shard_pull_cap) less what they hold here; then
-        drained shards probe with one slot each, round robin, with a short expiry when
-        many share few slots (each is probed about once a second)."""
+        are pending) first, those holding the fewest here and then the longest-waiting
+        first, up to what they have pending and to their cap
+        (fleet.partition.shard_pull_cap), or without one to the larger of its window and
+        an even share of the hand, less what they hold here; then drained shards probe
+        with one slot each, round robin, with a short expiry when many share few slots
+        (each is probed about once a second)."""
         shards = [p for p in self._pulls.values() if p.shard is not None and not p.stopping]
         free = self._slots() - sum(p.reserved for p in shards) - len(self._backlog)
         waiting = [p for p in shards if p.waiting and not p.reserved]
@@ -162,18 +164,26 @@ class ShardMixin:
         now = time.monotonic()
         cap = self._pull_cap
         busy = [p for p in waiting if p.pending]
-        in_hand = self._in_hand_by_shard() if busy and cap is not None else {}
-        # Under a cap, the shard holding the fewest tasks here goes first: its tasks do not
-        # wait for their sites (they ran and were settled), while a shard of few sites holds
-        # many that do. In turn alone, every shard got as many tasks whatever its number of
+        in_hand = self._in_hand_by_shard() if len(busy) > 1 or (busy and cap is not None) else {}
+        # The shard holding the fewest tasks here goes first: its tasks do not wait for
+        # their sites (they ran and were settled), while a shard of few sites holds many
+        # that do. In turn alone, every shard got as many tasks whatever its number of
         # sites, and the sites of big shards fell behind.
         busy.sort(key=lambda p: (in_hand.get(p.shard, 0), p.turn))
-        for pull in busy:
+        held = sum(in_hand.get(p.shard, 0) for p in busy)
+        for left, pull in zip(range(len(busy), 0, -1), busy):
             if free <= 0:
                 return                 # drained shards wait while busy ones want slots
+            own = in_hand.get(pull.shard, 0)
             # No shard beyond its window: a big pull of one shard would bring many pages
-            # of its few sites, which only wait for their politeness slots.
-            room = free if cap is None else cap - in_hand.get(pull.shard, 0)
+            # of its few sites, which only wait for their politeness slots. Without a
+            # cap, no shard beyond its window or an even share of the hand among the busy
+            # ones, whichever is more: one site's shard that took the whole hand kept the
+            # other sites waiting behind its parked tasks (and at one each, no site used
+            # its per_host_concurrency: bench_partition's 50 sites went at half speed).
+            share = cap if cap is not None else max(self._window, -(-(free + held) // left))
+            held -= own
+            room = share - own
             if room > 0:
                 self._grant(pull, min(free, pull.pending, MAX_FETCH_BATCH, room), FETCH_EXPIRY_S, now)
                 free -= pull.reserved
