@@ -17,6 +17,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -34,6 +35,8 @@ from crawld.transports.base import Action, Delivery, Settlement
 from crawld.transports.jetstream import JetStreamPublisher, JetStreamTransport
 from crawld.transports.jetstream.leases import (BUCKET, LEASE_TTL_S, RENEW_EVERY_S, Entry, ShardLeases,
                                                 open_bucket, shard_key)
+from crawld.transports.jetstream.pulls import Pull
+from crawld.transports.jetstream.shards import ShardMixin
 from crawld.transports.jetstream.topology import STREAM
 
 
@@ -50,6 +53,60 @@ def sites() -> Iterator[list[TestSite]]:
     """Four sites on four loopback addresses: four partition keys (hosts)."""
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(TestSite(host=f"127.0.0.{i}")) for i in range(1, 5)]
+
+
+# -- 0. how a worker's free slots go to its shards' pulls (pure logic) ---------------------
+class _Slots(ShardMixin):
+    """ShardMixin._allocate's inputs alone: the free slots, each shard's window and what it
+    holds here, and the pulls waiting for slots."""
+
+    def __init__(self, free: int, window: int, holding: dict[int, int]) -> None:
+        self._pulls: dict[str, Pull] = {}
+        self._backlog = deque()
+        self._pull_cap, self._window, self._free = None, window, free
+        self._holding = Counter(holding)
+
+    def _slots(self) -> int:
+        return self._free
+
+    def _in_hand_by_shard(self) -> Counter[int | None]:
+        return self._holding
+
+    def wants(self, shard: int, pending: int = 50, turn: float = 0.0) -> Pull:
+        pull = Pull(durable=f"s{shard}", subject=f"crawl.url.s{shard}", shard=shard, psub=None,
+                    pending=pending, turn=turn, waiting=True)
+        self._pulls[pull.durable] = pull
+        return pull
+
+    def grants(self) -> dict[int, int]:
+        self._allocate()
+        return {p.shard: p.reserved for p in self._pulls.values()}
+
+
+def test_busy_shards_share_the_hand_where_no_cap_applies() -> None:
+    """Without a cap (shard_pull_cap None), a lone busy shard still gets all that is free;
+    several share it evenly, each at least its window; and the one holding the fewest
+    goes first, so a shard whose site's surplus fills the hand does not keep the other
+    sites waiting (test_fleet's surplus test on JetStream: 3 sites at once, not 4)."""
+    lone = _Slots(free=16, window=2, holding={})
+    lone.wants(1)
+    assert lone.grants() == {1: 16}
+    even = _Slots(free=16, window=2, holding={})
+    for shard in range(4):
+        even.wants(shard)
+    assert even.grants() == {0: 4, 1: 4, 2: 4, 3: 4}
+    floor = _Slots(free=4, window=2, holding={})
+    for shard in range(4):
+        floor.wants(shard, turn=shard)
+    assert floor.grants() == {0: 2, 1: 2, 2: 0, 3: 0}       # each site can use its 2 slots
+    hoard = _Slots(free=1, window=2, holding={0: 3})
+    hoard.wants(0, turn=0.0)                                # longest waiting, but holds 3
+    hoard.wants(1, turn=5.0)
+    assert hoard.grants() == {0: 0, 1: 1}
+    short = _Slots(free=8, window=2, holding={})
+    short.wants(0, pending=1)
+    short.wants(1, pending=50, turn=1.0)
+    assert short.grants() == {0: 1, 1: 7}                   # what one cannot use goes on
 
 
 # -- 1. the lease manager against the server's KV ------------------------------------------
