@@ -1,5 +1,6 @@
 """AMQP settles on a real RabbitMQ: pool threads queue them, the connection thread sends a
-burst's acks as one multiple-ack up to the oldest delivery still in progress."""
+burst's acks as one multiple-ack up to the oldest delivery still in progress; and the shard
+balance asks the broker for shard queue depths only when another worker shares the intake."""
 from __future__ import annotations
 
 import threading
@@ -100,3 +101,45 @@ def test_a_slow_first_delivery_is_the_only_one_given_back(rabbit, transport, que
     with rabbit.channel() as ch:
         _, props, _ = ch.basic_get(queue_name, auto_ack=True)
     assert props.message_id == got[0].message_id == ids[0]
+
+
+def count_declares(transport: AmqpTransport) -> list[str]:
+    asked: list[str] = []
+    real = transport._ch.queue_declare
+
+    def queue_declare(queue: str, *args, **kwargs):
+        asked.append(queue)
+        return real(queue, *args, **kwargs)
+
+    transport._ch.queue_declare = queue_declare
+    return asked
+
+
+def test_a_lone_worker_asks_for_no_shard_queue_depths(rabbit, tmp_path, queue_name):
+    """The balance round asks every shard queue's depth only when another worker could take
+    a shard: alone, one passive declare of the intake (not one per shard, 1 + 64 by default)."""
+    cfg = load_config(str(make_config(
+        tmp_path, broker_url=rabbit.url, transport="amqp",
+        queue={"name": queue_name, "prefetch": 8, "partition": "host", "shards": 4},
+        store={"url": f"sqlite:///{tmp_path}/s.db", "body_dir": str(tmp_path / "bodies")})))
+    transport = AmqpTransport(cfg, "test:1")
+    transport.connect()
+    try:
+        transport.start_consuming(lambda d: None, lambda: 8)
+        asked = count_declares(transport)
+        assert transport._shard_load() == (1, set())
+        assert asked == [queue_name]
+
+        shard = transport._shards.queues[2]
+        with rabbit.channel() as ch:
+            for _ in range(20):     # beyond the shard's window here: some stay ready
+                ch.basic_publish("", shard, b"{}")
+            other = ch.basic_consume(queue_name, lambda *a: None)    # a second worker
+            try:
+                del asked[:]
+                assert transport._shard_load() == (2, {shard})
+                assert asked == [queue_name, *transport._shards.queues]
+            finally:
+                ch.basic_cancel(other)
+    finally:
+        transport.close()

@@ -333,6 +333,26 @@ def test_malformed_message_is_dead_at_once(make_handler, store, body, reason):
     assert dead[0].startswith("malformed-") and dead[1:] == (reason, "")
 
 
+def test_a_delivery_is_parsed_once_and_a_malformed_one_every_time(make_handler, store, site, monkeypatch):
+    """The site gate parses on the I/O thread; the handler reuses that task. A malformed
+    body is not cached: the handler parses it again and dead-letters it with its reason."""
+    import crawld.pipeline.handler as handler_module
+    calls = []
+    real = handler_module.parse_message
+    monkeypatch.setattr(handler_module, "parse_message", lambda *a: calls.append(a) or real(*a))
+    handler = make_handler()
+    task_id, d = task_delivery(site.url(f"/fast/{_key()}"))
+    assert handler.parse(d).task_id == task_id          # what the worker's gate does first
+    assert handler.handle(d).action is Action.ACK
+    assert len(calls) == 1 and store.get_result(task_id)["status"] == "fetched"
+    bad = delivery(b'{"nourl": true}', message_id="m-2")
+    with pytest.raises(handler_module.MalformedMessage):
+        handler.parse(bad)
+    settlement = handler.handle(bad)
+    assert (settlement.action, settlement.reason) == (Action.DEAD, "malformed:no_url")
+    assert len(calls) == 3
+
+
 def test_malformed_message_keeps_its_message_id(make_handler, store):
     settlement = make_handler().handle(delivery(b"not json", message_id="m-1"))
     assert settlement.action is Action.DEAD

@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 import uuid
+import zlib
 
 import pytest
 from warcio.archiveiterator import ArchiveIterator
@@ -22,6 +23,7 @@ from crawld.output.warc import (
     Exchange,
     WarcFileWriter,
     WarcLocation,
+    _stored_member,
     payload_digest,
     read_record,
     recover,
@@ -159,6 +161,30 @@ def test_request_record_is_the_request_as_sent(tmp_path):
         assert req.http_headers.statusline == "/a/b?x=1&y=2 HTTP/1.1"
         assert req.http_headers.get_header("Host") == "site.test:8080"
         assert req.http_headers.get_header("User-Agent") == "crawld-test"
+
+
+@pytest.mark.parametrize("size", [0, 1, 600, 65535, 65536, 200_000])
+def test_stored_member_is_gzip_any_reader_reads(size):
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    member = _stored_member(data)
+    assert gzip.decompress(member) == data
+    inflate = zlib.decompressobj(zlib.MAX_WBITS + 16)
+    assert inflate.decompress(member) == data and inflate.eof and not inflate.unused_data
+
+
+def test_request_record_is_a_stored_member_and_the_response_deflated(tmp_path):
+    """The request record (~600 bytes) skips deflate; warcio and fastwarc read both."""
+    hop = page("http://site.test/p/1", b"<html>" + b"a page of text " * 200 + b"</html>")
+    with writer(tmp_path) as w:
+        written = w.write_fetch([hop])
+    [path] = warc_files(tmp_path)
+    raw = open(path, "rb").read()
+    response = written.location
+    request_at = response.offset + response.length          # the request follows its response
+    assert raw[response.offset + 10] & 0b110 != 0           # BTYPE 01/10: deflated
+    assert raw[request_at + 10] & 0b110 == 0                # BTYPE 00: stored
+    warcio_check([path])
+    assert [t for t, _, _ in records(path)] == ["warcinfo", "response", "request"]
 
 
 def test_decoded_body_headers_stay_consistent(tmp_path):

@@ -89,7 +89,7 @@ class DeliveryHandler:
 
     def _handle(self, delivery: Delivery) -> Settlement:
         try:
-            task = self._parse(delivery)
+            task = self.parse(delivery)
         except MalformedMessage as exc:
             return self._malformed(delivery, exc)
         if self.pause.reason:      # paused: hand back what was already prefetched, untouched
@@ -175,7 +175,7 @@ class DeliveryHandler:
         ids = []
         for delivery in deliveries:
             try:
-                ids.append(self._parse(delivery).task_id)
+                ids.append(self.parse(delivery).task_id)
             except MalformedMessage:    # dead at once anyway, whatever its count
                 pass
         self.guard.forgive(ids)
@@ -317,7 +317,7 @@ class DeliveryHandler:
         log.exception("internal_error", task_id=delivery.message_id, attempt=delivery.attempt,
                       error=repr(exc))
         try:
-            task = self._parse(delivery)
+            task = self.parse(delivery)
             return self._dead(delivery, task, Decision(Verdict.DEAD, reason=Reason.INTERNAL_ERROR,
                                                        error=repr(exc)[:500]))
         except Exception as store_exc:
@@ -326,8 +326,13 @@ class DeliveryHandler:
                       error=repr(store_exc))
             return self._defer(delivery, local_fault(store_exc) or Fault.STORE, repr(store_exc))
 
-    def _parse(self, delivery: Delivery) -> Task:
-        return parse_message(delivery.body, delivery.message_id, self.cfg.queue.max_message_bytes)
+    def parse(self, delivery: Delivery) -> Task:
+        """The delivery's task, parsed once (raises MalformedMessage every time)."""
+        task = delivery.task
+        if task is None:
+            task = delivery.task = parse_message(delivery.body, delivery.message_id,
+                                                 self.cfg.queue.max_message_bytes)
+        return task
 
 
 class _Claims:

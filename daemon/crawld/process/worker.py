@@ -38,7 +38,7 @@ from crawld.process.sitegate import SiteGate
 from crawld.process.states import Phase
 from crawld.stats import Stats
 from crawld.store import Store
-from crawld.task import MalformedMessage, parse_message
+from crawld.task import MalformedMessage
 from crawld.transports.base import Action, Delivery, Settlement, TopologyError, Transport
 
 log = get_logger("crawld.worker")
@@ -334,7 +334,7 @@ class Worker:
 
     def _site_of(self, delivery: Delivery) -> str | None:
         try:
-            task = parse_message(delivery.body, delivery.message_id, self.cfg.queue.max_message_bytes)
+            task = self.handler.parse(delivery)
         except MalformedMessage:
             return None
         return site_of(task.url) or None

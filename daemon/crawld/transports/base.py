@@ -76,6 +76,9 @@ class Delivery:
     stream_seq: int | None = None
     broker_redeliveries: int | None = None   # when the broker counts them (quorum x-delivery-count)
     received_at: float = field(default_factory=time.monotonic)
+    # The parsed body, kept by the first parse (the worker's site gate, on the I/O thread)
+    # so the handler does not parse it again.
+    task: Task | None = field(default=None, repr=False, compare=False)
 
 
 DeliveryCallback = Callable[[Delivery], None]

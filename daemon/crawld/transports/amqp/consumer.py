@@ -297,6 +297,10 @@ class AmqpTransport(Transport):
         reports only its active consumer)."""
         assert self._shards is not None
         consumers = self._ch.queue_declare(self.queue, passive=True).method.consumer_count
+        if consumers <= 1:
+            # Alone: nothing to hand over or step back from, so skip one blocking round trip
+            # per shard queue (64 by default), which stalled this thread every balance round.
+            return consumers, set()
         waiting = {queue for queue in self._shards.queues
                    if self._ch.queue_declare(queue, passive=True).method.message_count}
         return consumers, waiting
@@ -406,16 +410,22 @@ class AmqpTransport(Transport):
 
         self._pending.hand_off(schedule, delivery, settlement, HANDOFF_REFUSED, "connection gone")
 
-    def _enqueue(self, conn: pika.BlockingConnection, items: list[tuple[Delivery, Settlement]]) -> None:
+    def _enqueue(self, conn: pika.BlockingConnection, items: list[tuple[Delivery, Settlement]],
+                 own_thread: bool = False) -> None:
         """Into the inbox, and a wake-up for the connection thread unless one is on its way:
         ``add_callback_threadsafe`` also ends a ``process_data_events`` wait, which
-        nothing else would for an event's confirm (pika hands those to us directly)."""
+        nothing else would for an event's confirm (pika hands those to us directly).
+        On the connection's own thread (``own_thread``) a zero-delay ``call_later`` does
+        the same without the wake-up pipe: two syscalls fewer per confirm."""
         with self._inbox_lock:
             self._inbox.extend(items)
             wake, self._wake_pending = not self._wake_pending, True
         if wake:
             try:
-                conn.add_callback_threadsafe(self._drain_inbox)
+                if own_thread:
+                    conn.call_later(0, self._drain_inbox)
+                else:
+                    conn.add_callback_threadsafe(self._drain_inbox)
             except HANDOFF_REFUSED:
                 # Queued all the same: the next poll drains it (and drops it as stale
                 # if the connection is gone), which keeps the pending count exact.
@@ -505,7 +515,7 @@ class AmqpTransport(Transport):
         for delivery, settlement in settled:
             self.event_settled(delivery, settlement)
         if self._conn is not None:
-            self._enqueue(self._conn, settled)
+            self._enqueue(self._conn, settled, own_thread=True)
         else:       # the next poll drains them as stale, which keeps the pending count exact
             with self._inbox_lock:
                 self._inbox.extend(settled)
