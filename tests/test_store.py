@@ -1,6 +1,7 @@
 """The store, on SQLite and on a real PostgreSQL: the same assertions on both."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 import time
@@ -252,6 +253,75 @@ def test_group_commit_is_durable_per_caller_and_isolates_errors(store, fresh_rea
     assert store.has_result("after-bad") and not store.has_result("bad")
     assert fresh_reader.has_result("after-bad") and not fresh_reader.has_result("bad")
     assert store.query("SELECT COUNT(*) FROM results")[0][0] == 320 + 1 + callers - 1 + 1
+
+
+def test_a_batch_is_one_multi_row_insert_and_a_repeated_task_is_written_twice(store, fresh_reader):
+    """Rows queued together go in as one INSERT; a task written twice in one batch (the
+    second copy starts a new statement) ends with writes = 2 on both back ends."""
+    store.enable_group_commit(max_batch=64)
+    held, release, batches = _hold_first_batch(store)
+    ids = ["m0", "m1", "m0", "m2", "m3"]
+    executed: list[str] = []
+    real_tx = store._tx
+
+    @contextlib.contextmanager
+    def counting_tx():
+        with real_tx() as cur:
+            yield _CountingCursor(cur, executed)
+
+    gate = threading.Thread(target=store.put_result, args=(_result("gate-m"),))
+    gate.start()
+    try:
+        assert held.wait(30)
+        store._tx = counting_tx
+
+        def writer(n: int) -> None:
+            time.sleep(0.05 * n)       # queued in this order
+            store.put_result(_result(ids[n], worker=f"w{n}"))
+
+        def release_when_queued() -> None:
+            try:
+                _wait_queued(store, len(ids))
+            finally:
+                release.set()
+        outcomes = _in_threads(writer, len(ids), while_running=release_when_queued)
+    finally:
+        release.set()
+        gate.join(60)
+    assert outcomes == [None] * len(ids) and batches[1] == ids
+    # the gate's batch alone, then m0 m1 | m0 m2 m3: the repeated m0 starts the second INSERT
+    assert [sql.count("), (") + 1 for sql in executed if "INTO results" in sql] == [1, 2, 3]
+    rows = dict(fresh_reader.query("SELECT task_id, writes FROM results WHERE task_id LIKE 'm%'"))
+    assert rows == {"m0": 2, "m1": 1, "m2": 1, "m3": 1}
+    assert fresh_reader.get_result("m0")["worker"] == "w2"      # the later write wins
+
+
+class _CountingCursor:
+    def __init__(self, cur: Any, executed: list[str]) -> None:
+        self._cur, self._executed = cur, executed
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        self._executed.append(sql)
+        return self._cur.execute(sql, params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cur, name)
+
+
+def test_merged_statements_split_where_one_insert_cannot_hold_them():
+    from crawld.store.group_commit import MAX_PARAMS, _Pending, merged
+    insert = "INSERT INTO t (a, b) VALUES (?, ?) ON CONFLICT (a) DO NOTHING"
+    update = "UPDATE t SET b = ? WHERE a = ?"
+    batch = [_Pending(insert, (f"k{i}", i)) for i in range(3)] + [_Pending(update, (1, "k0"))] * 2 \
+        + [_Pending(insert, ("k9", 9)), _Pending(insert, ("k9", 10))]
+    got = list(merged(batch))
+    assert got == [("INSERT INTO t (a, b) VALUES (?, ?), (?, ?), (?, ?) ON CONFLICT (a) DO NOTHING",
+                    ["k0", 0, "k1", 1, "k2", 2]),
+                   (update, (1, "k0")), (update, (1, "k0")),
+                   (insert, ("k9", 9)), (insert, ("k9", 10))]
+    many = [_Pending(insert, (f"k{i}", i)) for i in range(MAX_PARAMS)]
+    sizes = [len(params) // 2 for _, params in merged(many)]
+    assert sum(sizes) == MAX_PARAMS and max(sizes) == MAX_PARAMS // 2
 
 
 # -- quarantine: a suspect's lone runs and the deaths they caused -----------------------------

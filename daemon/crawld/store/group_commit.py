@@ -1,10 +1,16 @@
 """Group commit: many threads' outcome writes share one transaction and one fsync."""
 from __future__ import annotations
 
+import functools
 import queue
+import re
 import threading
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+# The one row of an ``INSERT ... VALUES (?, ?, ...)`` (SQLite ``?``, psycopg ``%s``).
+_ONE_ROW = re.compile(r"VALUES\s*(\((?:\s*(?:\?|%s)\s*,)*\s*(?:\?|%s)\s*\))")
+MAX_PARAMS = 999        # per statement: SQLite's bound-variable limit before 3.32
 
 
 class _Transactional(Protocol):
@@ -73,8 +79,8 @@ class GroupCommit:
             return
         try:
             with self.store._tx() as cur:
-                for item in batch:
-                    cur.execute(item.sql, item.params)
+                for sql, params in merged(batch):
+                    cur.execute(sql, params)
         except Exception:
             for item in batch:
                 try:
@@ -94,3 +100,47 @@ class _Pending:
         self.params = params
         self.done = threading.Event()
         self.error: BaseException | None = None
+
+
+def merged(batch: Sequence[_Pending]) -> Iterator[tuple[str, Sequence[Any]]]:
+    """The batch's statements, runs of one single-row INSERT as one multi-row INSERT.
+
+    Each statement gives up the GIL for its step, and with the pool's threads waiting for
+    it the commit thread then waits to get it back: one step for a run of rows instead of
+    one per row. A run stops at a repeated first value (the task id the upserts conflict
+    on: PostgreSQL refuses to update one row twice in one statement) and at MAX_PARAMS.
+    """
+    run: list[_Pending] = []
+    for item in batch:
+        if run and not _joins(run, item):
+            yield _statement(run)
+            run = []
+        run.append(item)
+    if run:
+        yield _statement(run)
+
+
+def _joins(run: list[_Pending], item: _Pending) -> bool:
+    first = run[0]
+    return (item.sql == first.sql and _row_of(item.sql) is not None
+            and (len(run) + 1) * len(item.params) <= MAX_PARAMS
+            and all(other.params[0] != item.params[0] for other in run))
+
+
+def _statement(run: list[_Pending]) -> tuple[str, Sequence[Any]]:
+    if len(run) == 1:
+        return run[0].sql, run[0].params
+    return _rows_sql(run[0].sql, len(run)), [p for item in run for p in item.params]
+
+
+@functools.lru_cache(maxsize=64)
+def _row_of(sql: str) -> re.Match[str] | None:
+    return _ONE_ROW.search(sql) if sql.lstrip()[:6].upper() == "INSERT" else None
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_sql(sql: str, rows: int) -> str:
+    match = _row_of(sql)
+    assert match is not None
+    start, end = match.span(1)
+    return sql[:start] + ", ".join([match.group(1)] * rows) + sql[end:]
