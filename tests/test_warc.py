@@ -185,6 +185,9 @@ def test_request_record_is_a_stored_member_and_the_response_deflated(tmp_path):
     assert raw[request_at + 10] & 0b110 == 0                # BTYPE 00: stored
     warcio_check([path])
     assert [t for t, _, _ in records(path)] == ["warcinfo", "response", "request"]
+    kinds = [r.record_type for r in fastwarc.ArchiveIterator(io.BytesIO(raw), parse_http=False)]
+    assert kinds == [fastwarc.WarcRecordType.warcinfo, fastwarc.WarcRecordType.response,
+                     fastwarc.WarcRecordType.request]
 
 
 def test_decoded_body_headers_stay_consistent(tmp_path):
