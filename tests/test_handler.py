@@ -22,7 +22,7 @@ from structlog.testing import capture_logs
 
 from crawld.config import Config, ConfigError, FetchConfig, QueueConfig, StoreConfig, WorkersConfig, load_config
 from crawld.fetch import Fetcher
-from crawld.pipeline.crashguard import LONE_DEATHS
+from crawld.pipeline.crashguard import LONE_DEATHS, Isolation
 from crawld.pipeline.handler import DeliveryHandler
 from crawld.pipeline.middleware import HOOKS, Middleware, MiddlewareChain, load_middleware
 from crawld.pipeline.outcomes import Reason
@@ -129,20 +129,22 @@ def test_duplicate_is_acked_without_a_fetch(make_handler, store, site):
     assert store.get_result(task_id)["writes"] == 1
 
 
-def test_concurrent_copies_of_one_task_fetch_once(make_handler, site):
-    """A second copy waits for the first (the claim) and then finds the stored result."""
+@pytest.mark.parametrize("copies", [2, 3])
+def test_concurrent_copies_of_one_task_fetch_once(make_handler, site, copies):
+    """Later copies wait for the first (the claim) and then find the stored result."""
     handler = make_handler()
     path = f"/slow/1/{_key()}"
-    copies = [task_delivery(site.url(path))[1] for _ in range(2)]
+    deliveries = [task_delivery(site.url(path))[1] for _ in range(copies)]
     out: list[Settlement] = []
-    threads = [threading.Thread(target=lambda d=d: out.append(handler.handle(d))) for d in copies]
+    threads = [threading.Thread(target=lambda d=d: out.append(handler.handle(d))) for d in deliveries]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    assert sorted(s.reason for s in out) == ["duplicate", "fetched"]
+    assert sorted(s.reason for s in out) == ["duplicate"] * (copies - 1) + ["fetched"]
     assert all(s.action is Action.ACK for s in out)
     assert site.hits(path) == 1
+    assert handler._claims._active == {}, "every claim is released"
 
 
 def test_http_404_is_a_valid_result(make_handler, store, site):
@@ -220,6 +222,41 @@ def test_broker_counted_redeliveries_make_a_suspect_that_runs_alone(make_handler
     assert (settlement.action, settlement.reason) == (Action.ACK, "fetched")
     assert site.hits(path) == 1 and store.list_dead(task_ids=[task_id]) == []
     assert store.quarantined(task_id) is None, "a survived quarantine run leaves no row"
+
+
+def test_a_suspect_waits_for_running_fetches_and_new_ones_wait_for_it():
+    """Isolation: alone() starts only once no shared fetch runs, and shared ones that
+    come meanwhile start only after it (the wake-ups it relies on are conditional)."""
+    isolation = Isolation()
+    order: list[str] = []
+    first_in, release_first = threading.Event(), threading.Event()
+
+    def shared(name: str, hold: threading.Event | None = None) -> None:
+        with isolation.shared():
+            order.append(name)
+            if hold is not None:
+                first_in.set()
+                hold.wait(10)
+
+    def alone() -> None:
+        with isolation.alone():
+            order.append("suspect")
+            time.sleep(0.2)
+
+    running = threading.Thread(target=shared, args=("running", release_first))
+    running.start()
+    assert first_in.wait(10)
+    suspect = threading.Thread(target=alone)
+    suspect.start()
+    time.sleep(0.2)
+    later = threading.Thread(target=shared, args=("later",))
+    later.start()
+    time.sleep(0.2)
+    assert order == ["running"], "the suspect waits for the running fetch, the later one for the suspect"
+    release_first.set()
+    for t in (running, suspect, later):
+        t.join(10)
+    assert order == ["running", "suspect", "later"]
 
 
 def test_store_counted_redeliveries_hit_the_delivery_limit(make_handler, store, site):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import gzip
 import io
 import os
@@ -494,3 +495,27 @@ def test_closed_writer_refuses_writes(tmp_path):
     with pytest.raises(ValueError):
         w.write_fetch([])
     assert warc_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("sizes", [(0,), (2047,), (2048,), (2600,), (300, 2600), (5000, 11000), (17000,),
+                                   (1000, 16000)])
+def test_hashed_equals_one_update_and_keeps_small_updates_under_the_gil_threshold(sizes):
+    """``hashed`` gives hashlib's digest; at most HELD_MAX bytes go in updates below the
+    size at which hashlib gives up the GIL, larger inputs in one update per part."""
+    from crawld.output.digests import HASHLIB_GIL_MINSIZE, HELD_MAX, hashed
+    parts = [os.urandom(n) for n in sizes]
+    for algo in (hashlib.sha1, hashlib.sha256):
+        assert hashed(algo, *parts).hexdigest() == algo(b"".join(parts)).hexdigest()
+
+    updates: list[int] = []
+
+    class Recording:
+        def update(self, data: bytes) -> None:
+            updates.append(len(data))
+
+    hashed(Recording, *parts)
+    assert sum(updates) == sum(sizes)
+    if sum(sizes) <= HELD_MAX:
+        assert max(updates, default=0) < HASHLIB_GIL_MINSIZE
+    else:
+        assert updates == [n for n in sizes]

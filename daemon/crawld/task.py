@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
@@ -17,7 +18,7 @@ from w3lib.url import canonicalize_url
 DEFAULT_ROUND = "0"
 DEFAULT_SOURCE = "default"
 MAX_URL_LENGTH = 8192
-_SOURCE_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+_SOURCE_BAD = re.compile(r"[^A-Za-z0-9_-]")      # one character in, one "_" out
 
 
 class MalformedMessage(ValueError):
@@ -88,7 +89,7 @@ def task_id_for_canonical(canonical: str, round_: str = DEFAULT_ROUND) -> str:
 
 def safe_source(source: str) -> str:
     """Sources become subject tokens / header values: keep them to a safe alphabet."""
-    cleaned = "".join(ch if ch in _SOURCE_OK else "_" for ch in source)[:64]
+    cleaned = _SOURCE_BAD.sub("_", source[:64])
     return cleaned or DEFAULT_SOURCE
 
 

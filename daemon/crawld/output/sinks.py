@@ -22,6 +22,7 @@ from crawld.config import Config, warc_directory
 from crawld.fetch import FetchResult
 from crawld.fetch.responses import Hop
 from crawld.logs import get_logger
+from crawld.output.digests import hashed
 from crawld.store import Store
 
 log = get_logger("crawld.output")
@@ -51,7 +52,7 @@ class BodySink(abc.ABC):
 
 
 def _sha256(body: bytes) -> str:
-    return hashlib.sha256(body).hexdigest() if body else ""
+    return hashed(hashlib.sha256, body).hexdigest() if body else ""
 
 
 class NoBodies(BodySink):

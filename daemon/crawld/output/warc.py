@@ -38,6 +38,7 @@ from warcio.timeutils import datetime_to_iso_date
 from warcio.warcwriter import WARCWriter
 
 from crawld import __version__
+from crawld.output.digests import hashed
 from crawld.output.warcfiles import (
     OPEN_SUFFIX,
     Recovered,
@@ -158,7 +159,7 @@ class _Planned:
 
 def payload_digest(payload: bytes) -> str:
     """``sha1:<base32>``, the form warcio and Heritrix write."""
-    return "sha1:" + sha1_base32(hashlib.sha1(payload).digest())
+    return "sha1:" + sha1_base32(hashed(hashlib.sha1, payload).digest())
 
 
 _BASE32_PAIRS = [a + b for a in _BASE32 for b in _BASE32]    # 10 bits -> two characters
@@ -221,6 +222,7 @@ class WarcFileWriter:
         self.closed_files: list[str] = []
         self._lock = threading.Lock()          # file, offsets, dedup map
         self._appended = threading.Condition(self._lock)   # an original reached the file
+        self._waiting = 0       # fetches waiting on _appended (a duplicate payload's)
         self._sync_lock = threading.Lock()     # one fsync at a time; latecomers piggyback
         self._seen: collections.OrderedDict[str, _Seen] = collections.OrderedDict()
         self._fd: int | None = None
@@ -264,7 +266,8 @@ class WarcFileWriter:
                 for plan, loc in zip(plans, locations):
                     if plan.registered is not None:
                         plan.registered.location = loc
-                self._appended.notify_all()
+                if self._waiting:
+                    self._appended.notify_all()
         except BaseException:
             self._forget(plans)
             raise
@@ -337,7 +340,11 @@ class WarcFileWriter:
             left = deadline - time.monotonic()
             if left <= 0:
                 return        # a slow original: write a full response rather than stall
-            self._appended.wait(left)
+            self._waiting += 1
+            try:
+                self._appended.wait(left)
+            finally:
+                self._waiting -= 1
 
     def _in_flight(self, digest: str) -> bool:
         seen = self._seen.get(digest)
@@ -418,7 +425,7 @@ class WarcFileWriter:
         parts = urlsplit(hop.url)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         headers = list(hop.request_headers)
-        if not any(name.lower() == "host" for name, _ in headers):
+        if "host" not in [name.lower() for name, _ in headers]:
             # HTTP/1.1 clients always send Host; urllib3 adds it itself when not given
             headers.insert(0, ("Host", parts.netloc.rpartition("@")[2]))
         http = _http_block(f"{hop.method} {target} {hop.protocol}", headers)
@@ -506,7 +513,7 @@ class WarcFileWriter:
 def _http_block(first_line: str, headers: Sequence[tuple[str, str]]) -> bytes:
     """The HTTP header block as it went over the wire: latin-1, which is how http.client
     decoded it, so the bytes are the received ones (non-latin-1 text: UTF-8)."""
-    text = first_line + "\r\n" + "".join(f"{name}: {value}\r\n" for name, value in headers) + "\r\n"
+    text = first_line + "\r\n" + "".join([f"{name}: {value}\r\n" for name, value in headers]) + "\r\n"
     try:
         return text.encode("latin-1")
     except UnicodeEncodeError:
@@ -516,10 +523,8 @@ def _http_block(first_line: str, headers: Sequence[tuple[str, str]]) -> bytes:
 def _member(headers: list[tuple[str, str]], content_type: str, http: bytes, payload: bytes,
             deflate: bool = True) -> bytes:
     """One record as one gzip member: WARC headers (UTF-8), the block, CRLF CRLF."""
-    digest = hashlib.sha1(http)
-    digest.update(payload)
-    block_digest = "sha1:" + sha1_base32(digest.digest())
-    head = (WARC_VERSION + "\r\n" + "".join(f"{n}: {v}\r\n" for n, v in headers)
+    block_digest = "sha1:" + sha1_base32(hashed(hashlib.sha1, http, payload).digest())
+    head = (WARC_VERSION + "\r\n" + "".join([f"{n}: {v}\r\n" for n, v in headers])
             + f"WARC-Block-Digest: {block_digest}\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {len(http) + len(payload)}\r\n\r\n")
     record = b"".join((head.encode("utf-8"), http, payload, b"\r\n\r\n"))

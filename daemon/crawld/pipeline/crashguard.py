@@ -168,7 +168,8 @@ class Isolation:
         finally:
             with self._cond:
                 self._running -= 1
-                self._cond.notify_all()
+                if self._waiting_alone:     # only a suspect waits for fetches to end
+                    self._cond.notify_all()
 
     @contextmanager
     def alone(self) -> Iterator[None]:

@@ -346,15 +346,21 @@ class _Claims:
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s
         self._lock = threading.Lock()
-        self._active: dict[str, threading.Event] = {}
+        # task id -> None while no second copy waits, else the Event that copy waits on
+        # (made only then: an Event per task cost more than the rest of the claim).
+        self._active: dict[str, threading.Event | None] = {}
 
     @contextmanager
     def hold(self, task_id: str) -> Iterator[None]:
         with self._lock:
-            running = self._active.get(task_id)
-            if running is None:
-                self._active[task_id] = threading.Event()
-        if running is not None:
+            held = task_id in self._active
+            if not held:
+                self._active[task_id] = None
+            else:
+                running = self._active[task_id]
+                if running is None:
+                    running = self._active[task_id] = threading.Event()
+        if held:
             running.wait(self.wait_s)
             yield
             return
@@ -362,5 +368,6 @@ class _Claims:
             yield
         finally:
             with self._lock:
-                mine = self._active.pop(task_id)    # only the holder removes its claim
-            mine.set()
+                waiting = self._active.pop(task_id)    # only the holder removes its claim
+            if waiting is not None:
+                waiting.set()

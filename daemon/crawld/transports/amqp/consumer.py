@@ -261,8 +261,9 @@ class AmqpTransport(Transport):
         active consumer is whoever subscribed first, so without this the first worker up
         would own every shard). A shard is handed over only once nothing of it runs here."""
         assert self._shards is not None
-        for queue in self._shards.ready_to_release(self._inflight_by_queue()):
-            self._hand_over(queue)
+        if self._shards.releasing:      # counting what runs per shard is per poll: only then
+            for queue in self._shards.ready_to_release(self._inflight_by_queue()):
+                self._hand_over(queue)
         if self._shards.balance_due():
             consumers, waiting = self._shard_load()
             for queue in self._shards.start_releases(consumers, waiting):
