@@ -288,19 +288,22 @@ def test_malformed_messages_dead_at_once_worker_keeps_running(make_crawld, site,
     daemon = make_crawld("amqp", workers={"count": 1})
     queue = queue_of(daemon)
     bodies = [b"not json", b"\xff\xfe\xfd", b'{"nourl": true}', b'{"url": ""}', b'{"url": 7}',
-              b'{"url": "http://x/", "pad": "' + b"a" * 70000 + b'"}']
+              b'{"url": "http://x/", "pad": "' + b"a" * 70000 + b'"}',
+              # too long for the message_id of its event and copies: it once stopped the worker
+              b'{"url": "http://x/", "task_id": "' + b"t" * 300 + b'"}']
     daemon.start()
     daemon.wait_workers(1)
     raw_publish(rabbit, queue, bodies)
     good = site.url(f"/fast/{_key()}")
     raw_publish(rabbit, queue, [json.dumps({"url": good}).encode()])   # plain-client message
-    wait_until(lambda: daemon.count("dead") == 6 and daemon.count("results") == 1, 30,
-               what="6 dead + 1 result")
+    wait_until(lambda: daemon.count("dead") == 7 and daemon.count("results") == 1, 30,
+               what="7 dead + 1 result")
     assert daemon.stop() == 0
     reasons = sorted(r[0] for r in daemon.store.query("SELECT reason FROM dead"))
     assert reasons == sorted(["malformed:not_json", "malformed:invalid_utf8", "malformed:no_url",
-                              "malformed:no_url", "malformed:bad_types", "malformed:oversized"])
-    assert rabbit.queue_depth(f"{queue}.dead") == 6
+                              "malformed:no_url", "malformed:bad_types", "malformed:oversized",
+                              "malformed:oversized"])
+    assert rabbit.queue_depth(f"{queue}.dead") == 7
     assert daemon.events("worker_died") == []
     assert all(e.get("task_id") for e in daemon.events("message_malformed"))
 

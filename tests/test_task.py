@@ -31,11 +31,21 @@ def test_plain_client_message_accepted():
     (b'["http://x"]', "bad_types"),
     (b'{"url": "http://x", "enqueued_at": "yesterday"}', "bad_types"),
     (b'{"url": "http://x", "pad": "' + b"a" * 70000 + b'"}', "oversized"),
+    (b'{"url": "http://x", "task_id": "' + b"t" * 256 + b'"}', "oversized"),
+    (('{"url": "http://x", "task_id": "' + "\u00e9" * 128 + '"}').encode(), "oversized"),
+    (b'{"url": "http://x", "task_id": "a\\udc80"}', "bad_types"),
 ])
 def test_malformed_messages_have_reasons(body, reason):
     with pytest.raises(MalformedMessage) as err:
         parse_message(body, None, max_bytes=65536)
     assert err.value.reason == reason
+
+
+def test_a_task_id_of_255_bytes_is_the_longest_taken():
+    """It is the AMQP message_id of every copy and event (a short string)."""
+    assert parse_message(('{"url": "http://x", "task_id": "' + "t" * 255 + '"}').encode()).task_id == "t" * 255
+    with pytest.raises(MalformedMessage):
+        parse_line('{"url": "http://x", "task_id": "' + "t" * 256 + '"}', "0")
 
 
 def test_publish_lines():

@@ -18,6 +18,8 @@ from w3lib.url import canonicalize_url
 DEFAULT_ROUND = "0"
 DEFAULT_SOURCE = "default"
 MAX_URL_LENGTH = 8192
+# A task id travels as the AMQP message_id of every copy and event: a short string.
+MAX_TASK_ID_BYTES = 255
 _SOURCE_BAD = re.compile(r"[^A-Za-z0-9_-]")      # one character in, one "_" out
 
 
@@ -118,6 +120,7 @@ def parse_line(line: str, round_: str) -> Task | None:
         source = obj.get("source", DEFAULT_SOURCE)
         if task_id is not None and (not isinstance(task_id, str) or not task_id):
             raise MalformedMessage("bad_types", "task_id must be a non-empty string")
+        _check_task_id(task_id)
         if not isinstance(source, str):
             raise MalformedMessage("bad_types", "source must be a string")
         return new_task(url, str(obj.get("round", round_)), source, task_id)
@@ -153,6 +156,7 @@ def parse_message(body: bytes, message_id: str | None = None,
         raise MalformedMessage("bad_types", "source must be a string")
     if task_id is not None and not isinstance(task_id, str):
         raise MalformedMessage("bad_types", "task_id must be a string")
+    _check_task_id(task_id)
     if not isinstance(enqueued_at, (int, float)) or isinstance(enqueued_at, bool):
         raise MalformedMessage("bad_types", "enqueued_at must be a number")
     round_ = str(round_)
@@ -178,6 +182,17 @@ def _crawl_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
             raise MalformedMessage("bad_types", f"{name} must be a JSON object")
         out[name] = json.dumps(value, separators=(",", ":"), sort_keys=True) if value else ""
     return out
+
+
+def _check_task_id(task_id: str | None) -> None:
+    if not task_id:
+        return
+    try:
+        size = len(task_id.encode("utf-8"))
+    except UnicodeEncodeError:       # a lone surrogate (an escaped one in the JSON)
+        raise MalformedMessage("bad_types", "task_id must be valid UTF-8 text") from None
+    if size > MAX_TASK_ID_BYTES:
+        raise MalformedMessage("oversized", f"task_id longer than {MAX_TASK_ID_BYTES} bytes")
 
 
 def _require_url(obj: Mapping[str, Any]) -> str:
