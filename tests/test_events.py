@@ -297,3 +297,29 @@ def test_replies_answer_each_request_time_out_alone_and_fail_when_rebound():
         asyncio.run(scenario())
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("status, task_id, body_size, body_max", [
+    ("fetched", "0123456789abcdef0123456789abcdef", 300, 131064),
+    ("http_error", "t" * 255, 0, 131064),
+    ("skipped", "caf\u00e9-id", 1000, 256),        # a body over several frames
+    ("fetched", "x", 512, 256),                    # exactly two full body frames
+])
+def test_event_frames_are_the_bytes_pika_would_send(status, task_id, body_size, body_max):
+    """PublishFrames against pika's own marshalling of the same publish (method frame,
+    content header with the five properties, body frames of at most body_max bytes)."""
+    import pika
+    import pika.frame
+    import pika.spec
+
+    from crawld.transports.amqp.events import EVENT_PROPERTIES
+    from crawld.transports.amqp.frames import PublishFrames
+    body = bytes(i % 251 for i in range(body_size))
+    props = pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent, message_id=task_id,
+                                 content_type="application/json", type="crawl.result", app_id="crawld")
+    expected = [pika.frame.Method(5, pika.spec.Basic.Publish(exchange=EVENTS_EXCHANGE, routing_key=status)).marshal(),
+                pika.frame.Header(5, len(body), props).marshal()]
+    expected += [pika.frame.Body(5, body[i:i + body_max]).marshal() for i in range(0, len(body), body_max)]
+    frames = PublishFrames(5, body_max, EVENTS_EXCHANGE, **EVENT_PROPERTIES)
+    assert frames.encode(status, task_id, body) == b"".join(expected)
+    assert frames.encode(status, task_id, body) == b"".join(expected), "the cached method frame too"

@@ -230,6 +230,8 @@ def test_pika_consumer_gets_an_event_for_every_stored_task_across_restart(make_c
             if method is None:
                 break
             assert props.message_id == json.loads(body)["task_id"]
+            assert (props.content_type, props.type, props.app_id, props.delivery_mode) == (
+                "application/json", "crawl.result", "crawld", 2)
             keys[method.routing_key] += 1
             bodies.append(body)
             ch.basic_ack(method.delivery_tag)

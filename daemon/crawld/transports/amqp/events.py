@@ -21,9 +21,11 @@ import pika
 import pika.exceptions as pex
 import pika.spec
 
+from crawld.transports.amqp.frames import PublishFrames
 from crawld.transports.base import EVENT_TIMEOUT_S, EVENTS_EXCHANGE, Delivery, Settlement, TopologyError
 
 SETUP_TIMEOUT_S = 10.0
+EVENT_PROPERTIES = {"content_type": "application/json", "type_": "crawl.result", "app_id": "crawld"}
 
 # (delivery, its settlement with the event, None once confirmed or why it was not)
 Outcome = tuple[Delivery, Settlement, "str | None"]
@@ -44,6 +46,8 @@ class EventChannel:
                                 f"{exc.reply_text}); it exists with another type or durability") from None
         self._channel = channel
         self._impl: Any = channel._impl     # see the module docstring
+        self._frames = PublishFrames(self._impl.channel_number, self._impl.connection._body_max_length,
+                                     EVENTS_EXCHANGE, **EVENT_PROPERTIES)
         self._outstanding: dict[int, tuple[Delivery, Settlement, float]] = {}
         self._published = 0     # pika numbers a confirm channel's publishes from 1
         ready: list[bool] = []
@@ -63,10 +67,9 @@ class EventChannel:
         """Buffered; sent with the rest of the burst when the connection is next polled."""
         event = settlement.event
         assert event is not None
-        self._impl.basic_publish(
-            EVENTS_EXCHANGE, event.status, event.body,
-            pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent, message_id=event.task_id,
-                                 content_type="application/json", type="crawl.result", app_id="crawld"))
+        self._impl._raise_if_not_open()     # what basic_publish checks before it sends
+        self._impl.connection._output_marshaled_frames(
+            [self._frames.encode(event.status, event.task_id, event.body)])
         self._published += 1
         self._outstanding[self._published] = (delivery, settlement, time.monotonic())
 
