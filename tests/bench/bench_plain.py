@@ -35,6 +35,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,6 +310,29 @@ def abba(rounds: int, contenders: list[str]) -> list[str]:
 WARMUP = 1000
 
 
+def at_once(run: Callable[[str], Track], group: list[str]) -> list[Track]:
+    """``run(who)`` for every contender of ``group`` at the same time (one alone: inline)."""
+    if len(group) == 1:
+        return [run(group[0])]
+    results: dict[str, Track] = {}
+    errors: list[BaseException] = []
+
+    def one(who: str) -> None:
+        try:
+            results[who] = run(who)
+        except BaseException as exc:      # re-raised below, on the bench's own thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(who,), name=f"bench-{who}") for who in group]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [results[who] for who in group]
+
+
 def mean(values: list[float | None]) -> float | None:
     real = [v for v in values if v is not None]
     return sum(real) / len(real) if real else None
@@ -316,7 +340,7 @@ def mean(values: list[float | None]) -> float | None:
 
 def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section: Section,
             profile: Path | None, lean: bool = False, baseline: str | None = None,
-            warmup: int = 0) -> None:
+            warmup: int = 0, together: bool = False) -> None:
     site = env.nginx(pages=n)
     urls = [site.page_url(i) for i in range(n)]
     timeout = 60 + n / 50
@@ -327,25 +351,30 @@ def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section
         run_crawld(env, transport, urls[:warmup], timeout)
     contenders = ["crawld", "plain"] + (["crawld-lean"] if lean else []) + (["crawld-base"] if baseline else [])
     runs: dict[str, list[Track]] = {who: [] for who in contenders}
-    for i, who in enumerate(abba(rounds, contenders)):
+
+    def run_one(who: str) -> Track:
         if who == "crawld":
             spy = profile if (profile is not None and not runs["crawld"]) else None
-            result = run_crawld(env, transport, urls, timeout, spy)
-        elif who == "crawld-lean":
-            result = run_crawld(env, transport, urls, timeout, extra_env=LEAN_ENV)
-        elif who == "crawld-base":
-            result = run_crawld(env, transport, urls, timeout,
-                                extra_env={"PYTHONPATH": str(Path(baseline or "") / "daemon")})
-        else:
-            result = run_plain(env, transport, urls, timeout)
-        runs[who].append(result)
-        if result.done_t is None:
-            section.notes.append(f"{transport} {who} round {i + 1}: only {result.final}/{n} rows before the timeout")
-        if result.errors:
-            section.notes.append(f"{transport} {who} round {i + 1}: {len(result.errors)} fetch error(s), "
-                                 f"retried; first: {result.errors[0][:200]}")
-        table.add(transport, who, len(runs[who]), result.final, result.wall_rate, result.steady_rate,
-                  result.fetched, result.left, result.cpu_ms_all, result.cpu_ms_steady)
+            return run_crawld(env, transport, urls, timeout, spy)
+        if who == "crawld-lean":
+            return run_crawld(env, transport, urls, timeout, extra_env=LEAN_ENV)
+        if who == "crawld-base":
+            return run_crawld(env, transport, urls, timeout,
+                              extra_env={"PYTHONPATH": str(Path(baseline or "") / "daemon")})
+        return run_plain(env, transport, urls, timeout)
+
+    schedule = ([contenders if r % 2 == 0 else contenders[::-1] for r in range(rounds)] if together
+                else [[who] for who in abba(rounds, contenders)])
+    for i, group in enumerate(schedule):
+        for who, result in zip(group, at_once(run_one, group)):
+            runs[who].append(result)
+            if result.done_t is None:
+                section.notes.append(f"{transport} {who} round {i + 1}: only {result.final}/{n} rows before the timeout")
+            if result.errors:
+                section.notes.append(f"{transport} {who} round {i + 1}: {len(result.errors)} fetch error(s), "
+                                     f"retried; first: {result.errors[0][:200]}")
+            table.add(transport, who, len(runs[who]), result.final, result.wall_rate, result.steady_rate,
+                      result.fetched, result.left, result.cpu_ms_all, result.cpu_ms_steady)
     summarise(transport, runs, section)
 
 
@@ -382,13 +411,13 @@ def summarise(transport: str, runs: dict[str, list[Track]], section: Section) ->
 def measure(env: Env, args: argparse.Namespace, section: Section) -> None:
     n = args.tasks or (2000 if args.quick else 8000)
     table = Table(f"crawld 1 worker vs the plain pipeline, {n:,} tasks from nginx (1 site, ~2 KB pages), "
-                  f"{THREADS} threads, prefetch {PREFETCH}, ABBA rounds",
+                  f"{THREADS} threads, prefetch {PREFETCH}, ABBA rounds (--together: all at once)",
                   ["transport", "contender", "round", "rows", "wall/s", "steady/s",
                    "fetched", "left in broker", "CPU ms/task (all)", "CPU ms/task (steady)"])
     section.tables.append(table)         # first: a failed transport still shows the rows so far
     for transport in args.transports.split(","):
         compare(env, transport, n, args.rounds, table, section, Path(args.profile) if args.profile else None,
-                args.lean, args.baseline, min(args.warmup, n))
+                args.lean, args.baseline, min(args.warmup, n), args.together)
     if args.warmup:
         section.notes.append(f"before the rounds of each transport, one uncounted warm-up run of the plain "
                              f"pipeline and of crawld on the first {min(args.warmup, n):,} URLs (--warmup 0: none)")
@@ -396,6 +425,11 @@ def measure(env: Env, args: argparse.Namespace, section: Section) -> None:
                          "(store.bodies = warc) and output.events (on); the plain pipeline writes one "
                          "file per body and publishes no events. CPU is user+system of the worker "
                          "process(es) from /proc; 'steady' is the same window as steady/s.")
+    if args.together:
+        section.notes.append("--together: in each round every contender ran at the same time (own queue or "
+                             "stream, own store, the same nginx pages), so the machine's slow and fast phases "
+                             "hit them alike; each had a share of the two cores, so the rates are lower than "
+                             "alone and only their ratios compare with other runs.")
     if args.lean:
         section.notes.append("crawld-lean: the same crawld with CRAWLD_STORE_BODIES=files and "
                              "CRAWLD_OUTPUT_EVENTS=false, i.e. the outputs the plain pipeline lacks turned off.")
@@ -420,6 +454,7 @@ def command_line(args: argparse.Namespace) -> str:
     out += " --lean" if args.lean else ""
     out += f" --warmup {args.warmup}" if args.warmup != WARMUP else ""
     out += f" --baseline {args.baseline}" if args.baseline else ""
+    out += " --together" if args.together else ""
     return out + (f" --profile {args.profile}" if args.profile else "")
 
 
@@ -436,6 +471,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="tasks of one uncounted run of each kind before the rounds (0: none)")
     parser.add_argument("--baseline", help="also run crawld from this checkout (its daemon/ on PYTHONPATH)")
     parser.add_argument("--profile", help="py-spy the crawld worker in the first round of each transport into DIR")
+    parser.add_argument("--together", action="store_true",
+                        help="run the contenders of each round at the same time instead of one after another")
     return parser.parse_args(argv)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -220,7 +221,7 @@ class Env:
         self._wide: dict[int, WideSite] = {}
         self.procs: list[subprocess.Popen] = []
         self._nginx: dict[tuple[int, int], Any] = {}
-        self._counter = 0
+        self._serials = itertools.count(1)     # next() is atomic: runs may share the Env
         self.timings: dict[str, float] = {}
         for need in needs:
             getattr(self, need)
@@ -233,8 +234,7 @@ class Env:
 
     def name(self, prefix: str) -> str:
         """A unique queue / directory name for one scenario."""
-        self._counter += 1
-        return f"{prefix}{os.getpid() % 10000}x{self._counter}"
+        return f"{prefix}{os.getpid() % 10000}x{next(self._serials)}"
 
     def scenario_dir(self, prefix: str) -> Path:
         path = self.workdir / self.name(prefix)

@@ -156,9 +156,15 @@ class ShardMixin:
         an even share of the hand, less what they hold here; then drained shards probe
         with one slot each, round robin, with a short expiry when many share few slots
         (each is probed about once a second)."""
+        # Runs after every fetch and settlement wake-up, over every shard pull (64 by
+        # default): plain loops, and the idle ones sorted only when a probe may start.
         shards = [p for p in self._pulls.values() if p.shard is not None and not p.stopping]
-        free = self._slots() - sum(p.reserved for p in shards) - len(self._backlog)
-        waiting = [p for p in shards if p.waiting and not p.reserved]
+        reserved, waiting = 0, []
+        for p in shards:
+            reserved += p.reserved
+            if p.waiting and not p.reserved:
+                waiting.append(p)
+        free = self._slots() - reserved - len(self._backlog)
         if free <= 0 or not waiting:
             return
         now = time.monotonic()
@@ -189,15 +195,23 @@ class ShardMixin:
                 free -= pull.reserved
         # Busy shards with a fetch in flight still have messages beyond it: keep their
         # slots for them, or probes of empty shards would slow their ramp-up.
-        free -= sum(max(0, p.pending - p.reserved) for p in shards if p.pending and not p.waiting)
+        probing = 0
+        for p in shards:
+            if p.pending:
+                if not p.waiting:
+                    free -= max(0, p.pending - p.reserved)
+            elif p.reserved:
+                probing += 1
         # Drained shards in turn, those with a delayed retry due first (num_pending does
         # not count a naked message until it is due, so nothing else would announce it).
         # Probes get at most half of what is free (the rest stays for a shard found busy in
         # the meantime, which would otherwise wait out the probes' expiry).
-        idle = sorted((p for p in waiting if not p.pending), key=lambda p: (p.due_at > now, p.turn))
-        probing = sum(1 for p in shards if not p.pending and p.reserved)
         budget = max(0, (free + probing + 1) // 2 - probing)
-        expiry = max(MIN_PROBE_EXPIRY_S, min(MAX_PROBE_EXPIRY_S, budget / max(1, len(idle))))
+        idle = [p for p in waiting if not p.pending] if budget else []
+        if not idle:
+            return
+        idle.sort(key=lambda p: (p.due_at > now, p.turn))
+        expiry = max(MIN_PROBE_EXPIRY_S, min(MAX_PROBE_EXPIRY_S, budget / len(idle)))
         for pull in idle[:budget]:
             self._grant(pull, 1, expiry, now)
 
