@@ -65,9 +65,21 @@ class Track:
     fetched: int = 0               # rows with status 'fetched' (a skipped or failed page is no page)
     errors: list[str] = field(default_factory=list)   # the plain pipeline's fetch errors (retried)
     left: int | None = None        # messages still in the broker after the stop (acked = gone)
+    samples: list[tuple[float, int, float]] = field(default_factory=list)   # (time, rows, cpu) per poll
+    # --together: the steady figures over the window every contender of the round ran in
+    window: tuple[tuple[float, int, float], tuple[float, int, float]] | None = None
+
+    def narrow(self, start: float, end: float) -> None:
+        """Steady rate and CPU over [start, end] only: the polls nearest inside it."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) >= 2 and inside[-1][1] > inside[0][1]:
+            self.window = (inside[0], inside[-1])
 
     @property
     def steady_rate(self) -> float | None:
+        if self.window is not None:
+            (t0, n0, _), (t1, n1, _) = self.window
+            return (n1 - n0) / (t1 - t0)
         if self.done_t is None or self.first_t is None or self.done_t <= self.first_t:
             return None
         return (self.final - self.first_n) / (self.done_t - self.first_t)
@@ -82,6 +94,9 @@ class Track:
 
     @property
     def cpu_ms_steady(self) -> float | None:
+        if self.window is not None:
+            (_, n0, c0), (_, n1, c1) = self.window
+            return 1e3 * (c1 - c0) / (n1 - n0)
         rows = self.final - self.first_n
         return 1e3 * (self.cpu - self.first_cpu) / rows if rows > 0 else None
 
@@ -100,6 +115,8 @@ def track(db: Path, n: int, started: float, pids: Callable[[], list[int]], proc:
         if count and out.first_t is None:
             out.first_t, out.first_n, out.first_cpu = now, count, cpu
         out.final, out.cpu = count, cpu
+        if count:
+            out.samples.append((now, count, cpu))
         if count >= n:
             out.done_t = now
             break
@@ -110,12 +127,15 @@ def track(db: Path, n: int, started: float, pids: Callable[[], list[int]], proc:
 
 # -- crawld -------------------------------------------------------------------------------------
 def run_crawld(env: Env, transport: str, urls: list[str], timeout: float,
-               profile: Path | None = None, extra_env: dict[str, str] | None = None) -> Track:
+               profile: Path | None = None, extra_env: dict[str, str] | None = None,
+               gate: Callable[[], object] | None = None) -> Track:
     nats = env.new_nats() if transport == "jetstream" else None
     setup = crawld_setup(env, "cp", transport=transport, broker_url=nats.url if nats else None,
                          workers=1, threads=THREADS, prefetch=PREFETCH)
     try:
         crawld_publish(setup, urls)
+        if gate is not None:
+            gate()            # --together: every contender published, all start now
         started = time.perf_counter()
         sup = start_crawld(env, setup, 1, extra_env=extra_env)
         spy = None
@@ -260,7 +280,8 @@ def js_publish_acked(url: str, subject: str, bodies: list[bytes], window: int = 
     asyncio.run(main())
 
 
-def run_plain(env: Env, transport: str, urls: list[str], timeout: float) -> Track:
+def run_plain(env: Env, transport: str, urls: list[str], timeout: float,
+              gate: Callable[[], object] | None = None) -> Track:
     directory = env.scenario_dir("pp")
     name = directory.name
     db, bodies = directory / "plain.db", directory / "bodies"
@@ -278,6 +299,8 @@ def run_plain(env: Env, transport: str, urls: list[str], timeout: float) -> Trac
         cmd = [PY, str(BENCH_DIR / "plain_pipeline.py"), *args, str(db), str(bodies),
                "--expect", str(len(urls)), "--threads", str(THREADS), "--prefetch", str(PREFETCH),
                "--max-seconds", str(timeout), "--linger", "30"]
+        if gate is not None:
+            gate()
         started = time.perf_counter()
         proc = env.spawn(cmd, log=directory / "plain.log")
         result = track(db, len(urls), started, lambda: [proc.pid], proc, timeout)
@@ -310,18 +333,23 @@ def abba(rounds: int, contenders: list[str]) -> list[str]:
 WARMUP = 1000
 
 
-def at_once(run: Callable[[str], Track], group: list[str]) -> list[Track]:
-    """``run(who)`` for every contender of ``group`` at the same time (one alone: inline)."""
+def at_once(run: Callable[[str, Callable[[], object] | None], Track], group: list[str]) -> list[Track]:
+    """``run(who, gate)`` for every contender of ``group`` at the same time (one alone:
+    inline). Each calls ``gate()`` once its tasks are published, so all start together, and
+    the steady figures of each cover only the window in which all of them were storing
+    rows (the first to finish would otherwise leave the others a tail alone)."""
     if len(group) == 1:
-        return [run(group[0])]
+        return [run(group[0], None)]
     results: dict[str, Track] = {}
     errors: list[BaseException] = []
+    barrier = threading.Barrier(len(group), timeout=900)
 
     def one(who: str) -> None:
         try:
-            results[who] = run(who)
+            results[who] = run(who, barrier.wait)
         except BaseException as exc:      # re-raised below, on the bench's own thread
             errors.append(exc)
+            barrier.abort()
 
     threads = [threading.Thread(target=one, args=(who,), name=f"bench-{who}") for who in group]
     for thread in threads:
@@ -330,7 +358,13 @@ def at_once(run: Callable[[str], Track], group: list[str]) -> list[Track]:
         thread.join()
     if errors:
         raise errors[0]
-    return [results[who] for who in group]
+    tracks = [results[who] for who in group]
+    firsts = [t.first_t for t in tracks if t.first_t is not None]
+    ends = [t.done_t for t in tracks if t.done_t is not None]
+    if len(firsts) == len(ends) == len(tracks):
+        for t in tracks:
+            t.narrow(max(firsts), min(ends))
+    return tracks
 
 
 def mean(values: list[float | None]) -> float | None:
@@ -352,16 +386,16 @@ def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section
     contenders = ["crawld", "plain"] + (["crawld-lean"] if lean else []) + (["crawld-base"] if baseline else [])
     runs: dict[str, list[Track]] = {who: [] for who in contenders}
 
-    def run_one(who: str) -> Track:
+    def run_one(who: str, gate: Callable[[], object] | None) -> Track:
         if who == "crawld":
             spy = profile if (profile is not None and not runs["crawld"]) else None
-            return run_crawld(env, transport, urls, timeout, spy)
+            return run_crawld(env, transport, urls, timeout, spy, gate=gate)
         if who == "crawld-lean":
-            return run_crawld(env, transport, urls, timeout, extra_env=LEAN_ENV)
+            return run_crawld(env, transport, urls, timeout, extra_env=LEAN_ENV, gate=gate)
         if who == "crawld-base":
             return run_crawld(env, transport, urls, timeout,
-                              extra_env={"PYTHONPATH": str(Path(baseline or "") / "daemon")})
-        return run_plain(env, transport, urls, timeout)
+                              extra_env={"PYTHONPATH": str(Path(baseline or "") / "daemon")}, gate=gate)
+        return run_plain(env, transport, urls, timeout, gate=gate)
 
     schedule = ([contenders if r % 2 == 0 else contenders[::-1] for r in range(rounds)] if together
                 else [[who] for who in abba(rounds, contenders)])
@@ -427,9 +461,10 @@ def measure(env: Env, args: argparse.Namespace, section: Section) -> None:
                          "process(es) from /proc; 'steady' is the same window as steady/s.")
     if args.together:
         section.notes.append("--together: in each round every contender ran at the same time (own queue or "
-                             "stream, own store, the same nginx pages), so the machine's slow and fast phases "
-                             "hit them alike; each had a share of the two cores, so the rates are lower than "
-                             "alone and only their ratios compare with other runs.")
+                             "stream, own store, the same nginx pages; all started once all had published), "
+                             "so the machine's slow and fast phases hit them alike; steady/s and CPU (steady) "
+                             "cover only the window in which all of them were storing rows. Each had a share "
+                             "of the two cores: the rates are lower than alone, only their ratios compare.")
     if args.lean:
         section.notes.append("crawld-lean: the same crawld with CRAWLD_STORE_BODIES=files and "
                              "CRAWLD_OUTPUT_EVENTS=false, i.e. the outputs the plain pipeline lacks turned off.")
