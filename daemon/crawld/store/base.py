@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
+from crawld.output.digests import hashed
 from crawld.store.group_commit import GroupCommit
 from crawld.store.ledger import LedgerQueries
 from crawld.store.reports import ReportQueries
@@ -167,7 +168,7 @@ class Store(ReportQueries, LedgerQueries):
     # -- bodies -------------------------------------------------------------------
     def save_body(self, body: bytes) -> str:
         """Content-addressed: the file name is the sha256; writing twice is harmless."""
-        digest = hashlib.sha256(body).hexdigest()
+        digest = hashed(hashlib.sha256, body).hexdigest()
         path = self.body_path(digest)
         if path.exists():
             return digest
