@@ -40,9 +40,19 @@ class Crawld:
                               env=with_fault_middleware({**self.env, **(env or {})}))
 
     def publish(self, urls: Iterable[str], round_: str = "0") -> subprocess.CompletedProcess:
+        return self.cli("publish", "--round", round_, str(self._url_file(urls)))
+
+    def start_publish(self, urls: Iterable[str], log_path: Path) -> subprocess.Popen[str]:
+        """``publish`` in the background: the summary on its stdout, its log in ``log_path``."""
+        with open(log_path, "w") as log:
+            return subprocess.Popen([*CRAWLD, "publish", "--round", "0", str(self._url_file(urls)),
+                                     "-c", str(self.config_path)],
+                                    stdout=subprocess.PIPE, stderr=log, text=True, env=self.env)
+
+    def _url_file(self, urls: Iterable[str]) -> Path:
         path = self.dir / f"urls-{time.monotonic_ns()}.txt"
         path.write_text("".join(u + "\n" for u in urls))
-        return self.cli("publish", "--round", round_, str(path))
+        return path
 
     def reconcile(self, grace: float = 0.0) -> tuple[int, dict[str, Any]]:
         done = self.cli("reconcile", "--json", "--grace", str(grace))

@@ -31,6 +31,8 @@ from harness import (free_port, jetstream_ready, leftover_processes, make_config
 
 from crawld.config import load_config, warc_directory
 from crawld.process.supervisor import KILL_GRACE_S
+from crawld.transports.base import TopologyError
+from crawld.transports.jetstream.topology import add_stream_when_placed
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -206,6 +208,18 @@ async def _stream_replicas(url: str, stream: str) -> int:
         await nc.close()
 
 
+async def _add_r3_stream(url: str, wait_s: float) -> None:
+    import nats
+    from nats.js.api import StreamConfig
+    nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0,
+                            allow_reconnect=False)
+    try:
+        await add_stream_when_placed(nc.jetstream(), StreamConfig(
+            name="PROBE", subjects=["probe.>"], num_replicas=3), wait_s=wait_s)
+    finally:
+        await nc.close()
+
+
 def test_nats_cluster_configs_form_a_jetstream_cluster(tmp_path: Path, site: Any) -> None:
     binary = nats_server_binary()
     for conf in NATS_CONFS:     # the shipped files themselves: syntax and semantics
@@ -226,28 +240,40 @@ def test_nats_cluster_configs_form_a_jetstream_cluster(tmp_path: Path, site: Any
 
     procs: list[subprocess.Popen[bytes]] = []
     daemon: Crawld | None = None
-    try:
-        t0 = time.monotonic()
-        for i, text in enumerate(texts, 1):
-            conf = tmp_path / f"nats-node{i}.conf"
-            conf.write_text(_rewrite_nats_conf(text, ports, tmp_path / f"js{i}"))
-            procs.append(subprocess.Popen(
-                [binary, "-c", str(conf), "-l", str(tmp_path / f"nats-node{i}.log")],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True))
+    publishing: subprocess.Popen[str] | None = None
 
-        def all_listening() -> bool:
-            for i, proc in enumerate(procs, 1):
-                if proc.poll() is not None:
-                    log = (tmp_path / f"nats-node{i}.log").read_text(errors="replace")
-                    raise AssertionError(f"node {i} exited {proc.returncode}:\n{log[-3000:]}")
-            return all(port_open(p) for p in client_ports)
+    def boot(i: int) -> None:
+        conf = tmp_path / f"nats-node{i}.conf"
+        conf.write_text(_rewrite_nats_conf(texts[i - 1], ports, tmp_path / f"js{i}"))
+        procs.append(subprocess.Popen(
+            [binary, "-c", str(conf), "-l", str(tmp_path / f"nats-node{i}.log")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True))
 
-        wait_until(all_listening, 20, what="three NATS nodes listening")
-        for port in client_ports:   # JetStream answers only once a meta leader is elected
+    def listening(count: int) -> bool:
+        for i, proc in enumerate(procs, 1):
+            if proc.poll() is not None:
+                log = (tmp_path / f"nats-node{i}.log").read_text(errors="replace")
+                raise AssertionError(f"node {i} exited {proc.returncode}:\n{log[-3000:]}")
+        return all(port_open(p) for p in client_ports[:count])
+
+    def meta_leader(count: int) -> None:
+        for port in client_ports[:count]:   # JetStream answers once a meta leader is elected
             wait_until(lambda: jetstream_ready(f"nats://127.0.0.1:{port}"), 30, interval=0.2,
                        what=f"JetStream meta leader via :{port}")
-        print(f"\nNATS 3-node JetStream cluster ready in {time.monotonic() - t0:.2f}s")
+
+    try:
+        # Two of three nodes are a quorum: JetStream answers, but an R3 stream has no
+        # placement until the third is current. Hosts and NATS nodes boot together, so
+        # crawld waits for it instead of failing (err_code 10005).
+        t0 = time.monotonic()
+        boot(1)
+        boot(2)
+        wait_until(lambda: listening(2), 20, what="two NATS nodes listening")
+        meta_leader(2)
+        print(f"\nNATS 2 of 3 nodes: meta leader in {time.monotonic() - t0:.2f}s")
+        with pytest.raises(TopologyError, match=r"err_code 10005\) for 1s: queue.replicas = 3 needs"):
+            run_async(_add_r3_stream(f"nats://127.0.0.1:{client_ports[0]}", wait_s=1.0))
 
         # crawld against it as documented: every node in broker.url, queue.replicas = 3.
         urls = ",".join(f"nats://127.0.0.1:{p}" for p in client_ports)
@@ -257,11 +283,25 @@ def test_nats_cluster_configs_form_a_jetstream_cluster(tmp_path: Path, site: Any
                                  "body_dir": str(tmp_path / "bodies")},
                           log={"format": "json"})
         daemon = Crawld(cfg, env=_clean_env(CRAWLD_LOG_FORMAT="json"))
-        published = daemon.publish([site.url(f"/fast/r3-{uuid.uuid4().hex[:8]}-{i}") for i in range(5)])
-        assert published.returncode == 0 and "confirmed 5" in published.stdout, (
-            published.stdout + published.stderr)
+        publish_log = tmp_path / "publish.log"
+        publishing = daemon.start_publish(
+            [site.url(f"/fast/r3-{uuid.uuid4().hex[:8]}-{i}") for i in range(5)], publish_log)
+        wait_until(lambda: "jetstream_stream_placement_wait" in publish_log.read_text()
+                   or publishing.poll() is not None, 20, what="the publisher waiting for placement")
+        assert publishing.poll() is None, publish_log.read_text()
+
+        boot(3)
+        wait_until(lambda: listening(3), 20, what="three NATS nodes listening")
+        out = publishing.communicate(timeout=60)[0] + publish_log.read_text()
+        print(f"NATS 3-node JetStream cluster: stream placed {time.monotonic() - t0:.2f}s after boot")
+        assert publishing.returncode == 0 and "confirmed 5" in out, out
+        waits = parse_events(out, "jetstream_stream_placement_wait")
+        assert waits and all(e["replicas"] == 3 and e["stream"] == "CRAWL" for e in waits), out
         assert run_async(_stream_replicas(f"nats://127.0.0.1:{client_ports[1]}", "CRAWL")) == 3
     finally:
+        if publishing is not None and publishing.poll() is None:
+            publishing.kill()
+            publishing.wait(10)
         if daemon is not None:
             daemon.close()
         for proc in procs:

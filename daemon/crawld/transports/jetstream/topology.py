@@ -14,7 +14,9 @@ shard, and one worker at a time owns a shard (leases.py).
 """
 from __future__ import annotations
 
+import asyncio
 import functools
+import time
 from enum import Enum
 from typing import Any, Awaitable, Sequence, TypeVar
 
@@ -47,6 +49,14 @@ WORK_MAX_AGE_S = 14 * 86400.0
 WORK_MAX_BYTES = 4 << 30
 DEAD_MAX_AGE_S = 30 * 86400.0
 DEAD_MAX_BYTES = 1 << 30
+
+# A cluster that has just formed, or has a node down, refuses a new replicated stream until
+# enough of its servers are current (JSClusterNoPeersErr). Crawler hosts and NATS nodes
+# often boot together: wait that out, bounded, rather than fail the boot (which halts the
+# supervisor) or every publish.
+NO_PLACEMENT_ERR = 10005
+PLACEMENT_WAIT_S = 30.0
+PLACEMENT_RETRY_MAX_S = 2.0
 
 STREAM_DRIFT_FIELDS = ("subjects", "retention", "storage", "num_replicas", "duplicate_window",
                        "max_age", "max_bytes", "discard")
@@ -163,7 +173,7 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig, upgrade: bool 
         info = await js.stream_info(want.name)
     except jse.NotFoundError:
         try:
-            await js.add_stream(want)
+            await add_stream_when_placed(js, want)
             log.info("jetstream_stream_created", stream=want.name, subjects=want.subjects,
                      replicas=want.num_replicas)
             return
@@ -177,6 +187,31 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig, upgrade: bool 
     if diffs:
         log.warning("jetstream_stream_drift", stream=want.name, diffs=diffs,
                     hint="existing stream kept as is; update it deliberately to apply the config")
+
+
+async def add_stream_when_placed(js: JetStreamContext, want: StreamConfig,
+                                 wait_s: float = PLACEMENT_WAIT_S) -> None:
+    """``add_stream``, retried while the cluster has too few current servers for the
+    replicas; past ``wait_s`` the refusal names the setting to check."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.25
+    while True:
+        try:
+            await js.add_stream(want)
+            return
+        except jse.APIError as exc:
+            if exc.err_code != NO_PLACEMENT_ERR:
+                raise
+            if time.monotonic() + delay > deadline:
+                raise TopologyError(
+                    f"stream {want.name} refused by the server: {exc.description} "
+                    f"(err_code {exc.err_code}) for {wait_s:.0f}s: queue.replicas = "
+                    f"{want.num_replicas} needs that many JetStream servers up and current "
+                    f"in the cluster") from None
+            log.warning("jetstream_stream_placement_wait", stream=want.name,
+                        replicas=want.num_replicas, error=exc.description, retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, PLACEMENT_RETRY_MAX_S)
 
 
 async def _upgrade_in_place(js: JetStreamContext, info: Any, want: StreamConfig) -> Any:
