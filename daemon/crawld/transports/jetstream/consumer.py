@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections import deque
 from typing import Any, Awaitable, Callable, TypeVar
@@ -32,7 +33,7 @@ from nats.js import JetStreamContext
 
 from crawld.config import Config, redact_url
 from crawld.fleet.partition import shard_pull_cap, shard_window
-from crawld.transports.base import Delivery, DeliveryCallback, Transport
+from crawld.transports.base import Delivery, DeliveryCallback, Settlement, Transport
 from crawld.transports.common import Generations, PendingSettlements
 from crawld.transports.jetstream.connection import (API_TIMEOUT_S, close_quietly, log, open_connection,
                                                     retry_with_backoff)
@@ -67,6 +68,9 @@ class JetStreamTransport(ShardMixin, SettleMixin, Transport):
         self._closing = False
         self._ticker_task: asyncio.Task[None] | None = None
         self._settle_tasks: set[asyncio.Task[None]] = set()
+        self._inbox: list[tuple[Delivery, Settlement]] = []     # settles queued by pool threads
+        self._inbox_lock = threading.Lock()
+        self._wake_pending = False
         self._announcing = 0
         self._replies = Replies()                  # acks and event PubAcks (replies.py)
         self._held: dict[int, Held] = {}           # id(msg) -> held; the entry keeps msg alive
@@ -387,6 +391,7 @@ class JetStreamTransport(ShardMixin, SettleMixin, Transport):
         finally:
             self._closed = True
             self._finish_loop()
+            self._drop_inbox()
 
     async def _shutdown(self) -> None:
         await self._stop_lease_loop()

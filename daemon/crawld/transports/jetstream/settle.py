@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -62,6 +63,9 @@ class SettleMixin:
     _generations: Generations
     _pending: PendingSettlements
     _settle_tasks: set[asyncio.Task[None]]
+    _inbox: list[tuple[Delivery, Settlement]]
+    _inbox_lock: threading.Lock
+    _wake_pending: bool
     _wake: asyncio.Event
     _handlers: Mapping[Action, Handler]
     connected: bool
@@ -74,13 +78,42 @@ class SettleMixin:
 
     def settle(self, delivery: Delivery, settlement: Settlement) -> None:
         """Thread-safe: the broker side runs on the loop during the next poll()."""
-        def schedule() -> None:
-            self._loop.call_soon_threadsafe(self._start_settle, delivery, settlement)
         # RuntimeError: the loop is closed, the transport is gone
-        self._pending.hand_off(schedule, delivery, settlement, (RuntimeError,), "transport closed")
+        self._pending.hand_off(lambda: self._enqueue(delivery, settlement), delivery, settlement,
+                               (RuntimeError,), "transport closed")
 
-    def _start_settle(self, delivery: Delivery, settlement: Settlement) -> None:
-        self._spawn(self._settle_now(delivery, settlement))
+    def _enqueue(self, delivery: Delivery, settlement: Settlement) -> None:
+        """Into the inbox, and a wake-up for the loop unless one is on its way: a group
+        commit settles its batch at once, so one self-pipe write and one Handle serve the
+        burst, not one each."""
+        with self._inbox_lock:
+            if self._loop.is_closed():
+                raise RuntimeError("the transport's loop is closed")
+            self._inbox.append((delivery, settlement))
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:
+            try:
+                self._loop.call_soon_threadsafe(self._drain_inbox)
+            except RuntimeError:
+                pass    # closed just now: close() drops what the inbox holds, this one too
+
+    def _drop_inbox(self) -> None:
+        """After the loop closed: what no drain will settle is given up (the server
+        redelivers it after AckWait), and no longer pending."""
+        with self._inbox_lock:
+            stranded, self._inbox = self._inbox, []
+            self._wake_pending = False
+        for delivery, settlement in stranded:
+            self._pending.done()
+            log.warning("settle_dropped", transport="jetstream", reason="transport closed",
+                        message_id=delivery.message_id, action=settlement.action.value)
+
+    def _drain_inbox(self) -> None:
+        with self._inbox_lock:
+            batch, self._inbox = self._inbox, []
+            self._wake_pending = False
+        for delivery, settlement in batch:
+            self._spawn(self._settle_now(delivery, settlement))
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = self._loop.create_task(coro)  # type: ignore[arg-type]

@@ -84,6 +84,7 @@ def shard_subject(shard: int, shards: int) -> str:
     return SHARD_PREFIX + shard_label(shard, shards)
 
 
+@functools.lru_cache(maxsize=4096)     # asked per held delivery on every slot allocation
 def shard_of_subject(subject: str, shards: int) -> int | None:
     """The shard a delivery came from (None: intake or anything else)."""
     if not subject.startswith(SHARD_PREFIX):
