@@ -676,3 +676,50 @@ def test_stats(server: NatsServer) -> None:
     assert stats["oldest_waiting_s"] is not None and stats["oldest_waiting_s"] >= 0.1
     with pytest.raises(ConnectionError):
         jetstream_stats(make_cfg(f"nats://127.0.0.1:{free_port()}"))
+
+
+# -- pulls take what is already queued at once -------------------------------------------------
+def test_queued_messages_are_taken_without_nats_py_wait(server: NatsServer,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """take_queued_at_once: what sits in a subscription's queue comes back in order with
+    nats-py's bookkeeping, and never through its per-message Task (which draws a uuid4);
+    an empty queue or a closed connection still goes through nats-py's own next_msg."""
+    import nats.aio.subscription as nats_sub
+    import nats.errors
+    from crawld.transports.jetstream.pulls import take_queued_at_once
+
+    async def scenario() -> None:
+        nc = await nats.connect(server.url)
+        try:
+            sub = await nc.subscribe("lean.test")
+            take_queued_at_once(sub)
+            for i in range(3):
+                await nc.publish("lean.test", f"m{i}".encode())
+            await nc.flush()
+            deadline = time.monotonic() + 5
+            while sub.pending_msgs < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert sub.pending_msgs == 3 and sub.pending_bytes == 6
+
+            def no_task_please() -> None:
+                raise AssertionError("nats-py's waiting next_msg ran for a queued message")
+            monkeypatch.setattr(nats_sub, "uuid4", no_task_please)
+            got = [(await sub.next_msg(timeout=1)).data for _ in range(3)]
+            assert got == [b"m0", b"m1", b"m2"]
+            assert sub.pending_msgs == 0 and sub.pending_bytes == 0
+            monkeypatch.undo()
+
+            with pytest.raises(nats.errors.TimeoutError):     # empty: nats-py waits and times out
+                await sub.next_msg(timeout=0.1)
+            await nc.publish("lean.test", b"late")
+            assert (await sub.next_msg(timeout=2)).data == b"late"   # arrives while it waits
+            await nc.publish("lean.test", b"left")
+            await nc.flush()
+            while sub.pending_msgs < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            await nc.close()
+        with pytest.raises(nats.errors.ConnectionClosedError):
+            await sub.next_msg(timeout=0.1)
+
+    run_async(scenario())

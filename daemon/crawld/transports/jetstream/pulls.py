@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -39,6 +40,9 @@ class Pull:
     busy_at: float = -float("inf")  # when it last had work (ShardMixin._busy_shard)
     granted: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def __post_init__(self) -> None:
+        take_queued_at_once(getattr(self.psub, "_sub", None))
+
     @property
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
@@ -71,3 +75,25 @@ class Pull:
             await self.psub.unsubscribe()
         except Exception:   # already gone with its connection: nothing to undo
             pass
+
+
+def take_queued_at_once(sub: Any) -> None:
+    """nats-py's ``Subscription.next_msg`` draws a uuid4 (``os.urandom``), starts a Task and
+    ``wait_for`` starts another, with a timer, for every message, even one already queued;
+    ``fetch`` calls it once per message of a pull and once more for the closing status. On
+    our pull subscriptions a queued message is taken at once, with the same bookkeeping;
+    only an empty queue waits (nats-py's own call, cancelled by its close as before)."""
+    queue = getattr(sub, "_pending_queue", None)
+    if queue is None or not hasattr(sub, "_pending_size") or not hasattr(sub, "_conn"):
+        return      # another nats-py inside: keep its next_msg as it is
+    waiting = sub.next_msg
+
+    async def next_msg(timeout: float | None = 1.0) -> Msg:
+        if sub._conn.is_closed or queue.empty():
+            return await waiting(timeout)
+        msg = queue.get_nowait()
+        sub._pending_size -= len(msg.data)
+        queue.task_done()
+        return msg
+
+    sub.next_msg = next_msg
