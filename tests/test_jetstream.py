@@ -713,10 +713,11 @@ def test_queued_messages_are_taken_without_nats_py_wait(server: NatsServer,
                 await sub.next_msg(timeout=0.1)
             await nc.publish("lean.test", b"late")
             assert (await sub.next_msg(timeout=2)).data == b"late"   # arrives while it waits
-            await nc.publish("lean.test", b"left")
+            await nc.publish("lean.test", b"left")     # queued, but the connection closes
             await nc.flush()
             while sub.pending_msgs < 1 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
+            assert sub.pending_msgs == 1
         finally:
             await nc.close()
         with pytest.raises(nats.errors.ConnectionClosedError):

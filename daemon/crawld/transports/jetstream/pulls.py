@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
