@@ -1,8 +1,8 @@
 """Mechanics every transport needs, written once (base.py holds the interface).
 
 A transport plugs its broker client in; what stays the same for every broker lives
-here: the count of settlements handed from pool threads to the I/O loop, the
-stop-aware connect backoff, connection generations (stale deliveries, reconnect
+here: the inbox and the count of settlements handed from pool threads to the I/O loop,
+the stop-aware connect backoff, connection generations (stale deliveries, reconnect
 events), the ``Action`` dispatch and the headers a forwarded copy carries.
 """
 from __future__ import annotations
@@ -67,6 +67,53 @@ class PendingSettlements:
             self._log.warning("settle_dropped", transport=self._transport, reason=reason,
                               error=repr(exc), message_id=delivery.message_id,
                               action=settlement.action.value)
+
+
+Queued = tuple[Delivery, Settlement]
+
+
+class SettleInbox:
+    """Settlements pool threads queue for the I/O loop, drained in bursts: the first
+    ``put`` after a drain asks its caller to wake the loop, later ones ride on that
+    wake-up (a group commit settles its batch at once: one wake-up, not one each)."""
+
+    def __init__(self) -> None:
+        self._items: list[Queued] = []
+        self._lock = threading.Lock()
+        self._wake_pending = False
+        self._closed = False
+
+    def put(self, items: list[Queued]) -> bool:
+        """Queue ``items``; True when the caller must wake the loop. Refused with a
+        RuntimeError once ``close`` ran: nothing would drain them."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the transport's settle inbox is closed")
+            self._items.extend(items)
+            wake, self._wake_pending = not self._wake_pending, True
+            return wake
+
+    def park(self, items: list[Queued]) -> None:
+        """Queue ``items`` for the next drain without asking for a wake-up."""
+        with self._lock:
+            self._items.extend(items)
+
+    def wake_failed(self) -> None:
+        """The wake-up ``put`` asked for could not be scheduled: the next put asks again."""
+        with self._lock:
+            self._wake_pending = False
+
+    def take(self) -> list[Queued]:
+        with self._lock:
+            items, self._items = self._items, []
+            self._wake_pending = False
+            return items
+
+    def close(self) -> list[Queued]:
+        """No more puts; what is still queued is returned, for the caller to give up."""
+        with self._lock:
+            self._closed = True
+        return self.take()
 
 
 # -- connection generations ------------------------------------------------------------

@@ -22,9 +22,7 @@ broker has already requeued that message) instead of raising
 from __future__ import annotations
 
 import random
-import threading
 import time
-from collections import deque
 from typing import Any, Callable
 
 import pika
@@ -40,7 +38,7 @@ from crawld.transports.amqp.topology import (TIER_HEADER, dead_queue_name, decla
                                              retry_queue_name, route_for, shard_retry_exchange, tier_label)
 from crawld.transports.base import (ATTEMPT_HEADER, Action, Delivery, DeliveryCallback, Settlement,
                                     Transport, tier_for)
-from crawld.transports.common import (Generations, PendingSettlements, complete, dispatch,
+from crawld.transports.common import (Generations, PendingSettlements, SettleInbox, complete, dispatch,
                                       event_outcome, forward_headers, task_id_of)
 
 HANDOVER = "shard_handover"     # the reason header of a copy passed on to a shard's next owner
@@ -69,9 +67,7 @@ class AmqpTransport(Transport):
         self._consuming = False
         self._pending = PendingSettlements(log, self.name)
         self._unsettled: dict[int, Delivery] = {}
-        self._inbox: deque[tuple[Delivery, Settlement]] = deque()
-        self._inbox_lock = threading.Lock()
-        self._wake_pending = False
+        self._inbox = SettleInbox()
         self._acks: list[int] | None = None       # a burst's acks, sent once it is done
         self._held: list[tuple[Delivery, Settlement]] | None = None
         self._handlers = complete({Action.ACK: self._ack, Action.SKIP: self._ack,
@@ -418,10 +414,7 @@ class AmqpTransport(Transport):
         nothing else would for an event's confirm (pika hands those to us directly).
         On the connection's own thread (``own_thread``) a zero-delay ``call_later`` does
         the same without the wake-up pipe: two syscalls fewer per confirm."""
-        with self._inbox_lock:
-            self._inbox.extend(items)
-            wake, self._wake_pending = not self._wake_pending, True
-        if wake:
+        if self._inbox.put(items):
             try:
                 if own_thread:
                     conn.call_later(0, self._drain_inbox)
@@ -430,8 +423,7 @@ class AmqpTransport(Transport):
             except HANDOFF_REFUSED:
                 # Queued all the same: the next poll drains it (and drops it as stale
                 # if the connection is gone), which keeps the pending count exact.
-                with self._inbox_lock:
-                    self._wake_pending = False
+                self._inbox.wake_failed()
 
     def _drain_inbox(self) -> None:
         """Runs on the connection thread: settle everything queued, acks coalesced. A call
@@ -441,7 +433,7 @@ class AmqpTransport(Transport):
             return
         self._acks = []
         try:
-            while batch := self._take_inbox():
+            while batch := self._inbox.take():
                 for delivery, settlement in batch:
                     self._settle_now(delivery, settlement)
             self._send_acks(self._acks)
@@ -449,13 +441,6 @@ class AmqpTransport(Transport):
             self._lost(exc)
         finally:
             self._acks = None
-
-    def _take_inbox(self) -> list[tuple[Delivery, Settlement]]:
-        with self._inbox_lock:
-            batch = list(self._inbox)
-            self._inbox.clear()
-            self._wake_pending = False
-        return batch
 
     def _send_acks(self, tags: list[int]) -> None:
         """One multiple-ack up to the oldest delivery still in progress (every tag below it
@@ -518,8 +503,7 @@ class AmqpTransport(Transport):
         if self._conn is not None:
             self._enqueue(self._conn, settled, own_thread=True)
         else:       # the next poll drains them as stale, which keeps the pending count exact
-            with self._inbox_lock:
-                self._inbox.extend(settled)
+            self._inbox.park(settled)
 
     def _requeue(self, delivery: Delivery, settlement: Settlement) -> None:
         self._ch.basic_nack(delivery.handle[1], requeue=True)

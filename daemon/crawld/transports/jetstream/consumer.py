@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 from collections import deque
 from typing import Any, Awaitable, Callable, TypeVar
@@ -33,8 +32,8 @@ from nats.js import JetStreamContext
 
 from crawld.config import Config, redact_url
 from crawld.fleet.partition import shard_pull_cap, shard_window
-from crawld.transports.base import Delivery, DeliveryCallback, Settlement, Transport
-from crawld.transports.common import Generations, PendingSettlements
+from crawld.transports.base import Delivery, DeliveryCallback, Transport
+from crawld.transports.common import Generations, PendingSettlements, SettleInbox
 from crawld.transports.jetstream.connection import (API_TIMEOUT_S, close_quietly, log, open_connection,
                                                     retry_with_backoff)
 from crawld.transports.jetstream.events import events_stream_config
@@ -68,9 +67,7 @@ class JetStreamTransport(ShardMixin, SettleMixin, Transport):
         self._closing = False
         self._ticker_task: asyncio.Task[None] | None = None
         self._settle_tasks: set[asyncio.Task[None]] = set()
-        self._inbox: list[tuple[Delivery, Settlement]] = []     # settles queued by pool threads
-        self._inbox_lock = threading.Lock()
-        self._wake_pending = False
+        self._inbox = SettleInbox()                # settles queued by pool threads
         self._announcing = 0
         self._replies = Replies()                  # acks and event PubAcks (replies.py)
         self._held: dict[int, Held] = {}           # id(msg) -> held; the entry keeps msg alive

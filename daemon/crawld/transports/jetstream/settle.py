@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -26,7 +25,7 @@ from nats.js import JetStreamContext
 
 from crawld.config import Config
 from crawld.transports.base import EVENT_TIMEOUT_S, Action, Delivery, Settlement
-from crawld.transports.common import (Generations, PendingSettlements, complete, dispatch,
+from crawld.transports.common import (Generations, PendingSettlements, SettleInbox, complete, dispatch,
                                       event_outcome, forward_headers, task_id_of)
 from crawld.transports.jetstream.connection import API_TIMEOUT_S, log
 from crawld.transports.jetstream.events import publish_event
@@ -63,9 +62,7 @@ class SettleMixin:
     _generations: Generations
     _pending: PendingSettlements
     _settle_tasks: set[asyncio.Task[None]]
-    _inbox: list[tuple[Delivery, Settlement]]
-    _inbox_lock: threading.Lock
-    _wake_pending: bool
+    _inbox: SettleInbox
     _wake: asyncio.Event
     _handlers: Mapping[Action, Handler]
     connected: bool
@@ -83,36 +80,23 @@ class SettleMixin:
                                (RuntimeError,), "transport closed")
 
     def _enqueue(self, delivery: Delivery, settlement: Settlement) -> None:
-        """Into the inbox, and a wake-up for the loop unless one is on its way: a group
-        commit settles its batch at once, so one self-pipe write and one Handle serve the
-        burst, not one each."""
-        with self._inbox_lock:
-            if self._loop.is_closed():
-                raise RuntimeError("the transport's loop is closed")
-            self._inbox.append((delivery, settlement))
-            wake, self._wake_pending = not self._wake_pending, True
-        if wake:
+        """Into the inbox, and a wake-up for the loop unless one is on its way."""
+        if self._inbox.put([(delivery, settlement)]):
             try:
                 self._loop.call_soon_threadsafe(self._drain_inbox)
             except RuntimeError:
-                pass    # closed just now: close() drops what the inbox holds, this one too
+                pass    # the loop closed just now: close() drops what the inbox holds, this one too
 
     def _drop_inbox(self) -> None:
         """After the loop closed: what no drain will settle is given up (the server
-        redelivers it after AckWait), and no longer pending."""
-        with self._inbox_lock:
-            stranded, self._inbox = self._inbox, []
-            self._wake_pending = False
-        for delivery, settlement in stranded:
+        redelivers it after AckWait), and no longer pending; later settles are refused."""
+        for delivery, settlement in self._inbox.close():
             self._pending.done()
             log.warning("settle_dropped", transport="jetstream", reason="transport closed",
                         message_id=delivery.message_id, action=settlement.action.value)
 
     def _drain_inbox(self) -> None:
-        with self._inbox_lock:
-            batch, self._inbox = self._inbox, []
-            self._wake_pending = False
-        for delivery, settlement in batch:
+        for delivery, settlement in self._inbox.take():
             self._spawn(self._settle_now(delivery, settlement))
 
     def _spawn(self, coro: Awaitable[None]) -> None:
