@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import multiprocessing
+import os
+import stat
 import threading
 import time
 import uuid
@@ -103,6 +106,24 @@ def test_bodies_content_addressed(store):
     digest = store.save_body(b"hello")
     assert store.save_body(b"hello") == digest
     assert store.body_path(digest).read_bytes() == b"hello"
+
+
+def test_bodies_leave_no_temporary_file_and_rewrite_a_crashed_ones(store):
+    """The temporary name is per process and thread: a leftover of a crashed process that
+    had the same pid and thread id (longer than the new body) is rewritten, not appended to."""
+    body = b"x" * 5000
+    digest = hashlib.sha256(body).hexdigest()
+    parent = store.body_path(digest).parent
+    parent.mkdir(parents=True)
+    (parent / f".tmp-{os.getpid()}-{threading.get_ident()}").write_bytes(b"stale " * 5000)
+    assert store.save_body(body) == digest
+    assert store.body_path(digest).read_bytes() == body
+    store.body_path(digest).unlink()
+    many = _in_threads(lambda i: store.save_body(body if i % 2 else b"%d" % i), 16)
+    assert set(many[1::2]) == {digest}
+    assert store.body_path(digest).read_bytes() == body
+    assert stat.S_IMODE(store.body_path(digest).stat().st_mode) == 0o600   # bodies stay private
+    assert not [p for p in store.body_dir.rglob(".tmp-*")]
 
 
 def _in_threads(target: Callable[[int], Any], n: int,

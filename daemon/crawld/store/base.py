@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import os
-import tempfile
+import threading
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields
@@ -96,6 +96,12 @@ def _outbox_values(task: Task, now: float) -> tuple:
             task.extra())
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 class Store(ReportQueries, LedgerQueries):
     """Common logic; subclasses supply connections and the placeholder style."""
 
@@ -105,7 +111,8 @@ class Store(ReportQueries, LedgerQueries):
         self.body_dir = Path(body_dir)
         self._group: GroupCommit | None = None
         self._last_created = 0.0
-        self._body_dirs: set[Path] = set()      # created already: skip the mkdir syscalls
+        self._body_root = str(self.body_dir)
+        self._body_dirs: set[str] = set()       # created already: skip the mkdir syscalls
 
     # -- plumbing -----------------------------------------------------------------
     @contextmanager
@@ -167,18 +174,26 @@ class Store(ReportQueries, LedgerQueries):
 
     # -- bodies -------------------------------------------------------------------
     def save_body(self, body: bytes) -> str:
-        """Content-addressed: the file name is the sha256; writing twice is harmless."""
+        """Content-addressed: the file name is the sha256; writing twice is harmless. The
+        body goes to a temporary name first, so a crash never leaves a short file under the
+        final one. Plain string paths and a temporary name unique to this thread (pid and
+        thread id: no random draw) keep the interpreter's share of a body's write small."""
         digest = hashed(hashlib.sha256, body).hexdigest()
-        path = self.body_path(digest)
-        if path.exists():
+        parent = f"{self._body_root}/{digest[:2]}/{digest[2:4]}"
+        path = f"{parent}/{digest}"
+        if os.path.exists(path):
             return digest
-        if path.parent not in self._body_dirs:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._body_dirs.add(path.parent)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        if parent not in self._body_dirs:
+            os.makedirs(parent, exist_ok=True)
+            self._body_dirs.add(parent)
+        tmp = f"{parent}/.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(body)
+            # O_TRUNC: a leftover of a crashed process with this pid and thread id is rewritten
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, body)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             with suppress(Exception):
