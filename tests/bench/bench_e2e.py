@@ -52,7 +52,8 @@ def crawld_e2e(env: Env, transport: str, workers: int, n: int, tag: str = "e2e",
         proc = start_crawld(env, setup, workers, extra_env=extra_env)
         sampler = ChildSampler(proc.pid) if sample else None
         with sampler or contextlib.nullcontext():
-            progress = wait_rows(setup.db, n, started, timeout=timeout or 60 + n / 40, proc=proc)
+            progress = wait_rows(setup.db, n, started, timeout=timeout or 60 + n / 40, proc=proc,
+                                 roots=lambda: [proc.pid])
         if sampler is not None:
             sampler.sample()        # the workers' last CPU and VmHWM, before they exit
         worker_cpu = sum(cpu_seconds(pid) for pid in children_of(proc.pid))

@@ -22,6 +22,14 @@ Two runs, each contender's URLs its own (task ids and dedup are by URL):
      acks_late=True, running plain_task.py (``requests.get`` and one committed sqlite3 row
      per task); compared with crawld at P = CORES processes only.
 
+   * plain: P x plain_pipeline.py (issue 17's reference: the same work with no framework),
+     threads and prefetch 16, one queue and one SQLite file: the bound for every ratio here;
+   * plain-no-body-files: the same with the body's sha256 only, no file (at CORES processes):
+     less work than celery-prefork+requests does, the bound for the ratios against it.
+
+   Each row also gives the CPU per task in the steady window: the contender's process trees,
+   and the whole machine (broker and site included).
+
    N tasks (6,000; 2,000 with --quick) are published first (not timed: crawld through its
    outbox, Celery apply_async, Dramatiq send), then the workers are started and timed until
    all N rows are stored; the steady rate (first stored row -> last) is compared, as in
@@ -49,8 +57,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from benchlib import (BENCH_DIR, PY, THREADS, Env, Ratio, Section, Table, WideSite, amqp_delete,
-                      bench_main, db_count, ratio, run_json, run_section, stop_proc, wait_rows,
-                      write_urls)
+                      amqp_publish_raw, bench_main, db_count, ratio, run_json, run_section, stop_proc,
+                      wait_rows, write_urls)
 
 KEY = "frameworks"
 # The task body of bench_task.py writes each body to a file and publishes no event, and its
@@ -63,6 +71,14 @@ SAME_WORK_QUEUE = {"partition": "none"}    # in the config: `crawld publish` mus
 COMMAND = "python tests/bench/bench_frameworks.py"
 # Celery's default pool and a task as its docs would have it (plain_task.py), one child per core.
 PREFORK = "celery-prefork+requests"
+# The same work written plainly (plain_pipeline.py, issue 17's reference): P processes on the
+# one queue. Its rate is what the same fetch and store can do on this machine with no
+# framework at all, so it bounds what any framework's ratio to another can be.
+PLAIN = "plain"
+# ... with no body file (its sha256 only): less work than any contender here, Celery's
+# documented task included (it keeps the body in its row). At CORES processes, against it.
+PLAIN_NO_BODIES = "plain-no-body-files"
+PLAINS = (PLAIN, PLAIN_NO_BODIES)
 CORES = os.cpu_count() or 1
 # The latency-bound run: pages that take SLOW_PAGE_S, round-robin over SLOW_SITES sites.
 SLOW_PAGE_S = 0.05
@@ -109,9 +125,15 @@ def framework_env(env: Env, directory: Path, queue: str) -> dict[str, str]:
             "PYTHONPATH": str(BENCH_DIR)}
 
 
-def publish_cmd(framework: str, urls: Path) -> list[str]:
+def publish(env: Env, framework: str, queue: str, urls: Path, url_list: list[str],
+            fenv: dict[str, str]) -> None:
+    if framework in PLAINS:
+        from bench_plain import plain_bodies
+        amqp_publish_raw(env.rabbit.url, queue, plain_bodies(url_list))
+        return
     app = "dramatiq_app.py" if framework == "dramatiq" else "celery_app.py"
-    return [PY, str(BENCH_DIR / app), "publish", str(urls)] + (["--plain"] if framework == PREFORK else [])
+    plain = ["--plain"] if framework == PREFORK else []
+    run_json([PY, str(BENCH_DIR / app), "publish", str(urls), *plain], timeout=300, env=fenv)
 
 
 def celery_cmd(queue: str, name: str, *pool: str) -> list[str]:
@@ -120,7 +142,13 @@ def celery_cmd(queue: str, name: str, *pool: str) -> list[str]:
             "-n", f"{name}@{queue}"]
 
 
-def worker_cmds(framework: str, procs: int, queue: str) -> list[list[str]]:
+def worker_cmds(framework: str, procs: int, queue: str, fenv: dict[str, str], n: int) -> list[list[str]]:
+    if framework in PLAINS:   # each stays up (--linger) until stopped: the bench counts the rows
+        body_dir = "-" if framework == PLAIN_NO_BODIES else fenv["BENCH_BODY_DIR"]
+        return [[PY, str(BENCH_DIR / "plain_pipeline.py"), "amqp", fenv["BENCH_AMQP_URL"], queue,
+                 fenv["BENCH_DB"], body_dir, "--expect", str(n), "--threads", str(THREADS),
+                 "--prefetch", str(THREADS), "--max-seconds", "900", "--linger", "900"]
+                for _ in range(procs)]
     if framework == "celery":
         return [celery_cmd(queue, f"w{i}", "-P", "threads", "-c", str(THREADS)) for i in range(procs)]
     if framework == PREFORK:     # one worker process; its `procs` forked children run the tasks
@@ -139,14 +167,14 @@ def framework_run(env: Env, framework: str, procs: int, urls_of: UrlsOf,
     n = len(url_list)
     urls = write_urls(directory / "urls.txt", url_list)
     started = time.perf_counter()
-    run_json(publish_cmd(framework, urls), timeout=300, env=fenv)
+    publish(env, framework, queue, urls, url_list, fenv)
     publish_s = time.perf_counter() - started
     log = directory / "worker.log"
-    cmds = worker_cmds(framework, procs, queue)
+    cmds = worker_cmds(framework, procs, queue, fenv, n)
     started = time.perf_counter()
     workers = [env.spawn(cmd, log=log, env=fenv, cwd=BENCH_DIR) for cmd in cmds]
     progress = wait_rows(directory / "crawld.db", n, started, timeout=timeout or 60 + n / 30,
-                         proc=workers[0])
+                         proc=workers[0], roots=lambda: [w.pid for w in workers])
     for proc in workers:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -154,16 +182,18 @@ def framework_run(env: Env, framework: str, procs: int, urls_of: UrlsOf,
         stop_proc(proc, timeout=60)
     names = [queue] + ([f"{queue}.DQ", f"{queue}.XQ"] if framework == "dramatiq" else [])
     amqp_delete(env.rabbit.url, *names)
-    return {"progress": progress, "publish_rate": n / publish_s, "log": log,
-            "duplicates": db_count(directory / "crawld.db", "results", "writes > 1")}
+    # the plain pipeline's table has no writes column: it keeps no count of rewrites
+    duplicates = None if framework in PLAINS else db_count(directory / "crawld.db", "results", "writes > 1")
+    return {"progress": progress, "publish_rate": n / publish_s, "log": log, "duplicates": duplicates}
 
 
 def contenders_at(procs: int, base_counts: tuple[int, ...], frameworks: list[str],
                   prefork: bool) -> list[str]:
-    """crawld's two at every count; Celery threads and Dramatiq at the base counts; the
-    prefork contender only at CORES processes (its natural size, one child per core)."""
-    names = ["crawld", SAME_WORK] + (frameworks if procs in base_counts else [])
-    return names + ([PREFORK] if prefork and procs == CORES else [])
+    """crawld's two and the plain pipeline at every count; Celery threads and Dramatiq at the
+    base counts; the prefork contender only at CORES processes (its natural size, one child
+    per core)."""
+    names = ["crawld", SAME_WORK, PLAIN] + (frameworks if procs in base_counts else [])
+    return names + ([PREFORK, PLAIN_NO_BODIES] if prefork and procs == CORES else [])
 
 
 def run_one(env: Env, name: str, procs: int, n: int, section: Section, table: Table,
@@ -185,13 +215,20 @@ def run_one(env: Env, name: str, procs: int, n: int, section: Section, table: Ta
         section.notes.append(f"{name} with {procs} process(es) stored only {progress.final}/{n} "
                              f"before the timeout")
     rate = progress.steady_rate if progress.done_t else None
-    table.add(name, procs, publish_rate, progress.wall_s, progress.wall_rate, rate, result["duplicates"])
+    table.add(name, procs, publish_rate, progress.wall_s, progress.wall_rate, rate,
+              progress.cpu_ms_steady, progress.busy_ms_steady, result["duplicates"])
+    section.data[f"{data_key(name)}_{procs}_cpu_ms"] = progress.cpu_ms_steady
+    section.data[f"{data_key(name)}_{procs}_busy_ms"] = progress.busy_ms_steady
     return rate
+
+
+def data_key(name: str) -> str:
+    return name.replace("-", "_").replace("+", "_")
 
 
 def add_ratios(section: Section, rates: dict[tuple[str, int], float | None]) -> None:
     for (name, procs), rate in rates.items():
-        if name.startswith("crawld"):
+        if name.startswith("crawld") or name in PLAINS:
             continue
         # what a user gets from a default Celery (plain_task.py) must be beaten by 3x, even by
         # crawld's defaults; the same-work contenders by 1.3x, by the same work only
@@ -202,14 +239,21 @@ def add_ratios(section: Section, rates: dict[tuple[str, int], float | None]) -> 
                                     ratio(rates[("crawld", procs)], rate), *defaults_target))
         section.ratios.append(Ratio(f"{SAME_WORK} (files, no events, one queue) / {name}, {procs} process(es)",
                                     ratio(rates[(SAME_WORK, procs)], rate), *same_target))
-        section.data[f"{name.replace('-', '_').replace('+', '_')}_{procs}"] = rate
+        # the bound: the same work with no framework at all, over this contender
+        for bound in PLAINS:
+            if (bound, procs) in rates:
+                section.ratios.append(Ratio(f"{bound} (no framework) / {name}, {procs} process(es)",
+                                            ratio(rates[(bound, procs)], rate)))
+        section.data[f"{data_key(name)}_{procs}"] = rate
     for procs in sorted({procs for _, procs in rates}):
-        section.data[f"crawld_{procs}"] = rates.get(("crawld", procs))
-        section.data[f"crawld_same_work_{procs}"] = rates.get((SAME_WORK, procs))
+        for name in ("crawld", SAME_WORK, PLAIN):
+            section.data[f"{data_key(name)}_{procs}"] = rates.get((name, procs))
+        section.ratios.append(Ratio(f"{SAME_WORK} / {PLAIN}, {procs} process(es)",
+                                    ratio(rates.get((SAME_WORK, procs)), rates.get((PLAIN, procs)))))
 
 
 TABLE_HEADERS = ["framework", "processes", "publish/s (untimed)", "wall s", "wall/s", "steady/s",
-                 "dup writes"]
+                 "worker CPU ms/task", "machine CPU ms/task", "dup writes"]
 
 
 def measure(env: Env, quick: bool, section: Section) -> None:
@@ -247,6 +291,19 @@ def measure_fast(env: Env, quick: bool, section: Section) -> None:
                          "turn on the store's group commit (one transaction and fsync for many threads' "
                          "rows); the Celery and Dramatiq task bodies commit row by row, as a task written "
                          "for them would.")
+    section.notes.append(f"{PLAIN} is tests/bench/plain_pipeline.py, the same work written plainly "
+                         f"(pika consumer, prefetch = threads, a thread pool, protego robots, a urllib3 "
+                         f"GET, the body in a file, batched SQLite commits, the ack after the commit), "
+                         f"P processes on one queue: no framework at all, so '{PLAIN} / X' bounds what "
+                         f"any framework can reach over X on this machine. worker CPU ms/task: user + "
+                         f"system of the contender's processes and all their children, over the steady "
+                         f"window's rows; machine CPU ms/task: the whole machine's busy time (/proc/stat: "
+                         f"broker, nginx, workers) over the same rows. Where every core is busy, the "
+                         f"machine's figure is what decides the rate on any number of cores. "
+                         f"{PLAIN_NO_BODIES} is {PLAIN} keeping only each body's sha256 (no file): "
+                         f"less work than {PREFORK} (which keeps the body in its row), so "
+                         f"'{PLAIN_NO_BODIES} / {PREFORK}' bounds what any crawler doing that task can "
+                         f"reach over it here.")
     if prefork:
         section.notes.append(prefork_note())
 

@@ -389,6 +389,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(roots: Iterable[int]) -> float:
+    """utime + stime of these live processes and of all their live descendants."""
+    return sum(cpu_seconds(pid) for root in roots for pid in [root, *descendants(root)])
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores have spent busy since boot (/proc/stat: everything but idle and
+    iowait), the broker's, the site's and every worker's alike."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_kib(pid: int) -> dict[str, int]:
     """VmRSS and VmHWM (peak) of a process, in KiB."""
     out = {}
@@ -587,6 +599,26 @@ class Progress:
     first_n: int = 0
     done_t: float | None = None
     final: int = 0
+    # CPU seconds at the first poll that saw rows and at the last poll: the workers' process
+    # trees (when wait_rows is given their pids) and the whole machine's busy time
+    first_cpu: float = 0.0
+    cpu: float = 0.0
+    first_busy: float = 0.0
+    busy: float = 0.0
+
+    @property
+    def steady_rows(self) -> int:
+        return self.final - self.first_n
+
+    @property
+    def cpu_ms_steady(self) -> float | None:
+        """The workers' CPU per row stored in the steady window (ms)."""
+        return 1e3 * (self.cpu - self.first_cpu) / self.steady_rows if self.steady_rows > 0 and self.cpu else None
+
+    @property
+    def busy_ms_steady(self) -> float | None:
+        """The machine's busy CPU (broker, site, workers) per row in the steady window (ms)."""
+        return 1e3 * (self.busy - self.first_busy) / self.steady_rows if self.steady_rows > 0 else None
 
     @property
     def wall_s(self) -> float | None:
@@ -607,15 +639,19 @@ class Progress:
 
 def wait_rows(db: Path, target: int, started: float, timeout: float, interval: float = 0.25,
               table: str = "results", proc: subprocess.Popen | None = None,
-              where: str = "1=1") -> Progress:
-    """Poll a cheap COUNT(*) until ``target`` rows (or timeout / the process exits)."""
+              where: str = "1=1", roots: Callable[[], Sequence[int]] | None = None) -> Progress:
+    """Poll a cheap COUNT(*) until ``target`` rows (or timeout / the process exits). With
+    ``roots`` (the workers' top pids), also the CPU of their process trees at each poll."""
     progress = Progress(target, started)
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
         count = db_count(db, table, where)
         now = time.perf_counter()
+        progress.busy = machine_busy_seconds()
+        progress.cpu = tree_cpu_seconds(roots()) if roots else 0.0
         if count and progress.first_t is None:
             progress.first_t, progress.first_n = now, count
+            progress.first_cpu, progress.first_busy = progress.cpu, progress.busy
         progress.final = count
         if count >= target:
             progress.done_t = now

@@ -10,7 +10,7 @@ letters, metrics, heartbeats, politeness or SSRF guard):
    JetStream pull ``fetch`` keeping at most ``prefetch`` messages unacked);
 2. on a ``ThreadPoolExecutor`` thread: a robots.txt check (protego, fetched and parsed once
    per origin), a urllib3 ``PoolManager`` GET, the body written once to a file named by its
-   sha256;
+   sha256 (BODY_DIR ``-``: its sha256 only, no file);
 3. one writer thread commits the rows in batches to SQLite (WAL, ``synchronous=FULL``);
 4. only after the commit, the ack: through ``add_callback_threadsafe`` (pika) or the event
    loop (nats-py).
@@ -111,12 +111,20 @@ class Bodies:
         return digest
 
 
+class HashOnly:
+    """BODY_DIR "-": the body's sha256 and no file, the least any pipeline does with a body
+    (bench_frameworks.py's bound for a Celery task that keeps its bodies in the row)."""
+
+    def save(self, body: bytes) -> str:
+        return hashlib.sha256(body).hexdigest()
+
+
 @dataclass
 class Work:
     """Robots + GET + body file for one message: the part that runs on a pool thread."""
     http: urllib3.PoolManager
     robots: Robots
-    bodies: Bodies
+    bodies: Bodies | HashOnly
     worker: str = f"plain:{os.getpid()}"
 
     def __call__(self, body: bytes, message_id: str | None = None) -> Row:
@@ -134,7 +142,7 @@ class Work:
 
 def make_work(body_dir: str | os.PathLike, threads: int) -> Work:
     http = urllib3.PoolManager(maxsize=threads, block=False, headers={"User-Agent": USER_AGENT})
-    return Work(http, Robots(http), Bodies(body_dir))
+    return Work(http, Robots(http), HashOnly() if str(body_dir) == "-" else Bodies(body_dir))
 
 
 # -- the store: one writer thread, batched commits, acks after the commit -------------------------
