@@ -1,6 +1,6 @@
 """crawld vs Celery 5 vs Dramatiq: same broker, same work, same process and thread counts.
 
-    python tests/bench/bench_frameworks.py [--quick]
+    python tests/bench/bench_frameworks.py [--quick] [--rounds R] [--md FILE]
 
 Two runs, each contender's URLs its own (task ids and dedup are by URL):
 
@@ -46,10 +46,12 @@ Two runs, each contender's URLs its own (task ids and dedup are by URL):
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -57,7 +59,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from benchlib import (BENCH_DIR, PY, THREADS, Env, Ratio, Section, Table, WideSite, amqp_delete,
-                      amqp_publish_raw, bench_main, db_count, ratio, run_json, run_section, stop_proc,
+                      amqp_publish_raw, db_count, ratio, run_json, run_section, stop_proc,
                       wait_rows, write_urls)
 
 KEY = "frameworks"
@@ -197,7 +199,8 @@ def contenders_at(procs: int, base_counts: tuple[int, ...], frameworks: list[str
 
 
 def run_one(env: Env, name: str, procs: int, n: int, section: Section, table: Table,
-            urls_of: UrlsOf, timeout: float | None = None, **crawld_kw: Any) -> float | None:
+            urls_of: UrlsOf, timeout: float | None = None, round_no: int = 1, data_prefix: str = "",
+            **crawld_kw: Any) -> float | None:
     """One contender at one process count on the URLs ``urls_of(queue)`` (n of them): a
     table row; the steady rate (None if unfinished). ``crawld_kw`` goes to crawld_setup
     (through crawld_e2e) for the crawld contenders."""
@@ -215,10 +218,10 @@ def run_one(env: Env, name: str, procs: int, n: int, section: Section, table: Ta
         section.notes.append(f"{name} with {procs} process(es) stored only {progress.final}/{n} "
                              f"before the timeout")
     rate = progress.steady_rate if progress.done_t else None
-    table.add(name, procs, publish_rate, progress.wall_s, progress.wall_rate, rate,
+    table.add(name, procs, round_no, publish_rate, progress.wall_s, progress.wall_rate, rate,
               progress.cpu_ms_steady, progress.busy_ms_steady, result["duplicates"])
-    section.data[f"{data_key(name)}_{procs}_cpu_ms"] = progress.cpu_ms_steady
-    section.data[f"{data_key(name)}_{procs}_busy_ms"] = progress.busy_ms_steady
+    for what, value in (("cpu_ms", progress.cpu_ms_steady), ("busy_ms", progress.busy_ms_steady)):
+        section.data.setdefault(f"{data_prefix}{data_key(name)}_{procs}_{what}_rounds", []).append(value)
     return rate
 
 
@@ -252,16 +255,25 @@ def add_ratios(section: Section, rates: dict[tuple[str, int], float | None]) -> 
                                     ratio(rates.get((SAME_WORK, procs)), rates.get((PLAIN, procs)))))
 
 
-TABLE_HEADERS = ["framework", "processes", "publish/s (untimed)", "wall s", "wall/s", "steady/s",
+TABLE_HEADERS = ["framework", "processes", "round", "publish/s (untimed)", "wall s", "wall/s", "steady/s",
                  "worker CPU ms/task", "machine CPU ms/task", "dup writes"]
 
 
-def measure(env: Env, quick: bool, section: Section) -> None:
-    measure_fast(env, quick, section)
+def measure(env: Env, quick: bool, section: Section, rounds: int = 1) -> None:
+    measure_fast(env, quick, section, rounds)
     measure_slow(env, quick, section)
 
 
-def measure_fast(env: Env, quick: bool, section: Section) -> None:
+def median_of(values: list[float | None]) -> float | None:
+    """The median of the finished rounds (None if none finished)."""
+    done = [v for v in values if v is not None]
+    return statistics.median(done) if done else None
+
+
+def measure_fast(env: Env, quick: bool, section: Section, rounds: int = 1) -> None:
+    """Every contender at every process count, ``rounds`` times, the order reversed every
+    other round (this machine drifts by tens of per cent within minutes, and a contender run
+    early or late would carry it); the ratios are of the median rates."""
     n = 2000 if quick else 6000
     frameworks = [f for f in ("celery", "dramatiq") if available(f)]
     prefork = available("celery") and available("requests")
@@ -275,13 +287,21 @@ def measure_fast(env: Env, quick: bool, section: Section) -> None:
                   f"node; {THREADS} threads and prefetch 16 per process, same Fetcher + SQLite store (all "
                   f"but {PREFORK}: see the notes)", TABLE_HEADERS)
     section.tables.append(table)      # before the runs: a failure keeps the rows measured so far
-    rates: dict[tuple[str, int], float | None] = {}
+    runs: dict[tuple[str, int], list[float | None]] = {}
     with nginx_site(n) as site:
         urls_of: UrlsOf = lambda key: fast_urls(site, key, n)   # noqa: E731
         for procs in counts:
-            for name in contenders_at(procs, base_counts, frameworks, prefork):
-                rates[(name, procs)] = run_one(env, name, procs, n, section, table, urls_of)
-    add_ratios(section, rates)
+            names = contenders_at(procs, base_counts, frameworks, prefork)
+            for r in range(rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    rate = run_one(env, name, procs, n, section, table, urls_of, round_no=r + 1)
+                    runs.setdefault((name, procs), []).append(rate)
+    add_ratios(section, {key: median_of(values) for key, values in runs.items()})
+    for key in [k for k in section.data if k.endswith("_rounds")]:
+        section.data[key.removesuffix("_rounds")] = median_of(section.data[key])
+    if rounds > 1:
+        section.notes.append(f"{rounds} rounds, the contenders' order reversed every other round; the "
+                             f"ratios are of each contender's median steady rate.")
     section.notes.append("Zero-latency pages come from a private nginx (one worker process, "
                          "access_log off) started for this run: the same files /p/0 .. /p/N-1 for "
                          "every contender, each contender's URLs made distinct by '?c=<its queue>'.")
@@ -327,8 +347,10 @@ def measure_slow(env: Env, quick: bool, section: Section) -> None:
     section.tables.append(table)
     site = env.wide_site(SLOW_SITES)
     urls_of: UrlsOf = lambda key: slow_urls(site, key, n)   # noqa: E731
-    crawld = run_one(env, "crawld", SLOW_WORKERS, n, section, table, urls_of, timeout=timeout, fetch=fetch)
-    celery = run_one(env, PREFORK, CORES, n, section, table, urls_of, timeout=timeout) if prefork else None
+    crawld = run_one(env, "crawld", SLOW_WORKERS, n, section, table, urls_of, timeout=timeout,
+                     data_prefix="slow_", fetch=fetch)
+    celery = (run_one(env, PREFORK, CORES, n, section, table, urls_of, timeout=timeout, data_prefix="slow_")
+              if prefork else None)
     if not prefork:
         section.notes.append(f"celery or requests is not installed: {PREFORK} skipped in the "
                              f"{SLOW_PAGE_S * 1000:.0f} ms run")
@@ -358,13 +380,25 @@ def prefork_note() -> str:
             f"{CORES}-process crawld rows.")
 
 
-def run(env: Env, quick: bool, ctx: dict[str, Section] | None = None) -> Section:
+def run(env: Env, quick: bool, ctx: dict[str, Section] | None = None, rounds: int = 1) -> Section:
+    command = COMMAND + (" --quick" if quick else "") + (f" --rounds {rounds}" if rounds > 1 else "")
     return run_section(KEY, "crawld vs Celery 5 vs Dramatiq (same broker, same work, same processes)",
-                       COMMAND + (" --quick" if quick else ""), lambda s: measure(env, quick, s))
+                       command, lambda s: measure(env, quick, s, rounds))
 
 
 def main(argv: list[str] | None = None) -> int:
-    return bench_main(KEY, run, needs=("rabbit",), argv=argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller counts (smoke run)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="zero-latency runs per contender, order reversed every other round; "
+                             "ratios of the medians")
+    parser.add_argument("--md", help="also write the section as markdown to this file")
+    args = parser.parse_args(argv)
+    with Env(("rabbit",)) as env:
+        section = run(env, args.quick, rounds=args.rounds)
+    if args.md:
+        Path(args.md).write_text(section.markdown())
+    return 1 if section.error else 0
 
 
 if __name__ == "__main__":
