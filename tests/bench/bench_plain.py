@@ -21,7 +21,8 @@ Both are timed from the outside in the same way: a COUNT(*) of the store polled 
 processes from /proc (crawld: the supervisor's forked worker, not the supervisor; plain:
 its one process): ``all`` over the whole life divided by N (start-up included), ``steady``
 over the same window as steady/s. ``--lean`` adds crawld with ``store.bodies = files`` and
-``output.events = false`` (the outputs the plain pipeline lacks). ``--baseline CHECKOUT`` adds
+``output.events = false`` (the outputs the plain pipeline lacks), once on a fresh store and
+once with the store's body directories made beforehand. ``--baseline CHECKOUT`` adds
 crawld run from another checkout's ``daemon/`` (e.g. a ``git worktree`` of the commit before a
 change), the same ABBA rounds: before/after of one change measured side by side. With ``--profile DIR`` py-spy records the crawld worker
 (``--native``, speedscope) in the first round of each transport and prints its top frames.
@@ -41,7 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from benchlib import (BENCH_DIR, PREFETCH, PY, THREADS, Env, Ratio, Section, Table, amqp_delete, amqp_depth,
+from benchlib import (BENCH_DIR, PREFETCH, PY, THREADS, CrawldSetup, Env, Ratio, Section, Table, amqp_delete,
+                      amqp_depth,
                       amqp_delete_setup, amqp_publish_raw, children_of, cpu_seconds, crawld_publish,
                       crawld_setup, db_count, js_stream, js_stream_messages, ratio,
                       run_section, start_crawld, stop_proc, transports_bench_main)
@@ -128,12 +130,15 @@ def track(db: Path, n: int, started: float, pids: Callable[[], list[int]], proc:
 # -- crawld -------------------------------------------------------------------------------------
 def run_crawld(env: Env, transport: str, urls: list[str], timeout: float,
                profile: Path | None = None, extra_env: dict[str, str] | None = None,
-               gate: Callable[[], object] | None = None) -> Track:
+               gate: Callable[[], object] | None = None,
+               prepare: Callable[[CrawldSetup], object] | None = None) -> Track:
     nats = env.new_nats() if transport == "jetstream" else None
     setup = crawld_setup(env, "cp", transport=transport, broker_url=nats.url if nats else None,
                          workers=1, threads=THREADS, prefetch=PREFETCH)
     try:
         crawld_publish(setup, urls)
+        if prepare is not None:
+            prepare(setup)
         if gate is not None:
             gate()            # --together: every contender published, all start now
         started = time.perf_counter()
@@ -322,6 +327,17 @@ def run_plain(env: Env, transport: str, urls: list[str], timeout: float,
 LEAN_ENV = {"CRAWLD_STORE_BODIES": "files", "CRAWLD_OUTPUT_EVENTS": "false"}
 
 
+def body_dirs_made(setup: CrawldSetup) -> None:
+    """Every directory of the files store's layout (ab/cd/, 65,536) made before the run, as
+    on a store past its first few hundred thousand bodies. A fresh store makes one for nearly
+    every body of a short run, and on a file system where an inode is dear (this machine's
+    ext4 has no journal) that is a cost of a young store, not of each page."""
+    root = setup.dir / "bodies"
+    for a in range(256):
+        for b in range(256):
+            (root / f"{a:02x}" / f"{b:02x}").mkdir(parents=True, exist_ok=True)
+
+
 def abba(rounds: int, contenders: list[str]) -> list[str]:
     """crawld, plain, plain, crawld, ...: forward then reversed, so each runs early and late."""
     order: list[str] = []
@@ -383,15 +399,17 @@ def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section
         # and crawld always runs first in the ABBA order.
         run_plain(env, transport, urls[:warmup], timeout)
         run_crawld(env, transport, urls[:warmup], timeout)
-    contenders = ["crawld", "plain"] + (["crawld-lean"] if lean else []) + (["crawld-base"] if baseline else [])
+    contenders = (["crawld", "plain"] + (["crawld-lean", "crawld-lean-warm"] if lean else [])
+                  + (["crawld-base"] if baseline else []))
     runs: dict[str, list[Track]] = {who: [] for who in contenders}
 
     def run_one(who: str, gate: Callable[[], object] | None) -> Track:
         if who == "crawld":
             spy = profile if (profile is not None and not runs["crawld"]) else None
             return run_crawld(env, transport, urls, timeout, spy, gate=gate)
-        if who == "crawld-lean":
-            return run_crawld(env, transport, urls, timeout, extra_env=LEAN_ENV, gate=gate)
+        if who in ("crawld-lean", "crawld-lean-warm"):
+            prepare = body_dirs_made if who == "crawld-lean-warm" else None
+            return run_crawld(env, transport, urls, timeout, extra_env=LEAN_ENV, gate=gate, prepare=prepare)
         if who == "crawld-base":
             return run_crawld(env, transport, urls, timeout,
                               extra_env={"PYTHONPATH": str(Path(baseline or "") / "daemon")}, gate=gate)
@@ -435,11 +453,13 @@ def summarise(transport: str, runs: dict[str, list[Track]], section: Section) ->
                                     ratio(rate["crawld"], rate["crawld-base"])))
         section.ratios.append(Ratio(f"crawld / crawld-base worker CPU per task (steady), {transport}",
                                     ratio(cpu["crawld"], cpu["crawld-base"]), higher_is_better=False))
-    if "crawld-lean" in runs:
-        section.ratios.append(Ratio(f"crawld-lean (files, no events) / plain pipeline, {transport}, steady pages/s",
-                                    ratio(rate["crawld-lean"], rate["plain"])))
-        section.ratios.append(Ratio(f"crawld-lean / plain worker CPU per task (steady), {transport}",
-                                    ratio(cpu["crawld-lean"], cpu["plain"]), higher_is_better=False))
+    for lean in ("crawld-lean", "crawld-lean-warm"):
+        if lean not in runs:
+            continue
+        section.ratios.append(Ratio(f"{lean} (files, no events) / plain pipeline, {transport}, steady pages/s",
+                                    ratio(rate[lean], rate["plain"])))
+        section.ratios.append(Ratio(f"{lean} / plain worker CPU per task (steady), {transport}",
+                                    ratio(cpu[lean], cpu["plain"]), higher_is_better=False))
 
 
 def measure(env: Env, args: argparse.Namespace, section: Section) -> None:
@@ -467,7 +487,10 @@ def measure(env: Env, args: argparse.Namespace, section: Section) -> None:
                              "of the two cores: the rates are lower than alone, only their ratios compare.")
     if args.lean:
         section.notes.append("crawld-lean: the same crawld with CRAWLD_STORE_BODIES=files and "
-                             "CRAWLD_OUTPUT_EVENTS=false, i.e. the outputs the plain pipeline lacks turned off.")
+                             "CRAWLD_OUTPUT_EVENTS=false, i.e. the outputs the plain pipeline lacks turned off. "
+                             "crawld-lean-warm: the same with the files store's 65,536 directories (ab/cd/) made "
+                             "before the run, as on a store past its first bodies (the plain pipeline's one "
+                             "level has 256).")
     if args.profile:
         section.tables.extend(profile_tables(Path(args.profile)))
         section.notes.append(f"py-spy --native speedscope profile of the first crawld round of each transport in {args.profile} "
