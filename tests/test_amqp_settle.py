@@ -132,8 +132,10 @@ def test_a_lone_worker_asks_for_no_shard_queue_depths(rabbit, tmp_path, queue_na
 
         shard = transport._shards.queues[2]
         with rabbit.channel() as ch:
+            ch.confirm_delivery()   # a quorum queue counts a message once it is committed
             for _ in range(20):     # beyond the shard's window here: some stay ready
                 ch.basic_publish("", shard, b"{}")
+            wait_until(lambda: rabbit.queue_depth(shard) > 0, 10, what="shard messages ready")
             other = ch.basic_consume(queue_name, lambda *a: None)    # a second worker
             try:
                 del asked[:]
