@@ -42,10 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from benchlib import (BENCH_DIR, PREFETCH, PY, THREADS, CrawldSetup, Env, Ratio, Section, Table, amqp_delete,
-                      amqp_depth,
-                      amqp_delete_setup, amqp_publish_raw, children_of, cpu_seconds, crawld_publish,
-                      crawld_setup, db_count, js_stream, js_stream_messages, ratio,
+from benchlib import (BENCH_DIR, PREFETCH, PY, THREADS, CrawldSetup, Env, Progress, Ratio, Section, Table,
+                      amqp_delete, amqp_delete_setup, amqp_depth, amqp_publish_raw, children_of, cpu_seconds,
+                      crawld_publish, crawld_setup, db_count, js_stream, js_stream_messages, ratio,
                       run_section, start_crawld, stop_proc, transports_bench_main)
 
 KEY = "plain"
@@ -54,16 +53,9 @@ COMMAND = "python tests/bench/bench_plain.py"
 
 # -- timing one contender from the outside ------------------------------------------------------
 @dataclass
-class Track:
-    """Rows and worker CPU at the first poll that saw a row and at completion."""
-    target: int
-    started: float
-    first_t: float | None = None
-    first_n: int = 0
-    first_cpu: float = 0.0
-    done_t: float | None = None
-    final: int = 0
-    cpu: float = 0.0
+class Track(Progress):
+    """Rows and worker CPU at the first poll that saw a row and at completion (Progress), and
+    at every poll in between, for --together's common window."""
     fetched: int = 0               # rows with status 'fetched' (a skipped or failed page is no page)
     errors: list[str] = field(default_factory=list)   # the plain pipeline's fetch errors (retried)
     left: int | None = None        # messages still in the broker after the stop (acked = gone)
@@ -83,12 +75,8 @@ class Track:
             (t0, n0, _), (t1, n1, _) = self.window
             return (n1 - n0) / (t1 - t0)
         if self.done_t is None or self.first_t is None or self.done_t <= self.first_t:
-            return None
-        return (self.final - self.first_n) / (self.done_t - self.first_t)
-
-    @property
-    def wall_rate(self) -> float | None:
-        return None if self.done_t is None else self.final / (self.done_t - self.started)
+            return None     # no steady window: not the wall rate Progress would give
+        return super().steady_rate
 
     @property
     def cpu_ms_all(self) -> float | None:
@@ -99,7 +87,7 @@ class Track:
         if self.window is not None:
             (_, n0, c0), (_, n1, c1) = self.window
             return 1e3 * (c1 - c0) / (n1 - n0)
-        rows = self.final - self.first_n
+        rows = self.steady_rows
         return 1e3 * (self.cpu - self.first_cpu) / rows if rows > 0 else None
 
 
@@ -331,11 +319,12 @@ def body_dirs_made(setup: CrawldSetup) -> None:
     """Every directory of the files store's layout (ab/cd/, 65,536) made before the run, as
     on a store past its first few hundred thousand bodies. A fresh store makes one for nearly
     every body of a short run, and on a file system where an inode is dear (this machine's
-    ext4 has no journal) that is a cost of a young store, not of each page."""
-    root = setup.dir / "bodies"
-    for a in range(256):
-        for b in range(256):
-            (root / f"{a:02x}" / f"{b:02x}").mkdir(parents=True, exist_ok=True)
+    ext4 has no journal) that is a cost of a young store, not of each page. The store itself
+    says where each digest prefix goes."""
+    from crawld.store.base import Store
+    store = Store(str(setup.dir / "bodies"))
+    for prefix in range(256 * 256):
+        store.body_path(f"{prefix:04x}".ljust(64, "0")).parent.mkdir(parents=True, exist_ok=True)
 
 
 def abba(rounds: int, contenders: list[str]) -> list[str]:

@@ -599,8 +599,8 @@ class Progress:
     first_n: int = 0
     done_t: float | None = None
     final: int = 0
-    # CPU seconds at the first poll that saw rows and at the last poll: the workers' process
-    # trees (when wait_rows is given their pids) and the whole machine's busy time
+    # CPU seconds at the first poll that saw rows and at the end: the workers' process trees
+    # (when wait_rows is given their pids) and the whole machine's busy time
     first_cpu: float = 0.0
     cpu: float = 0.0
     first_busy: float = 0.0
@@ -634,24 +634,26 @@ class Progress:
         interpreter start, imports and broker connect, which the wall rate includes)."""
         if self.done_t is None or self.first_t is None or self.done_t <= self.first_t:
             return self.wall_rate
-        return (self.final - self.first_n) / (self.done_t - self.first_t)
+        return self.steady_rows / (self.done_t - self.first_t)
 
 
 def wait_rows(db: Path, target: int, started: float, timeout: float, interval: float = 0.25,
               table: str = "results", proc: subprocess.Popen | None = None,
               where: str = "1=1", roots: Callable[[], Sequence[int]] | None = None) -> Progress:
-    """Poll a cheap COUNT(*) until ``target`` rows (or timeout / the process exits). With
-    ``roots`` (the workers' top pids), also the CPU of their process trees at each poll."""
+    """Poll a cheap COUNT(*) until ``target`` rows (or timeout / the process exits). The
+    machine's busy CPU, and with ``roots`` (the workers' top pids) the CPU of their process
+    trees, are read at the first poll that sees rows and once more at the end."""
+    def cpu_now() -> tuple[float, float]:
+        return tree_cpu_seconds(roots()) if roots else 0.0, machine_busy_seconds()
+
     progress = Progress(target, started)
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
         count = db_count(db, table, where)
         now = time.perf_counter()
-        progress.busy = machine_busy_seconds()
-        progress.cpu = tree_cpu_seconds(roots()) if roots else 0.0
         if count and progress.first_t is None:
             progress.first_t, progress.first_n = now, count
-            progress.first_cpu, progress.first_busy = progress.cpu, progress.busy
+            progress.first_cpu, progress.first_busy = cpu_now()
         progress.final = count
         if count >= target:
             progress.done_t = now
@@ -659,6 +661,7 @@ def wait_rows(db: Path, target: int, started: float, timeout: float, interval: f
         if proc is not None and proc.poll() is not None:
             break
         time.sleep(interval)
+    progress.cpu, progress.busy = cpu_now()
     return progress
 
 

@@ -179,7 +179,7 @@ class Store(ReportQueries, LedgerQueries):
         final one. Plain string paths and a temporary name unique to this thread (pid and
         thread id: no random draw) keep the interpreter's share of a body's write small."""
         digest = hashed(hashlib.sha256, body).hexdigest()
-        parent = f"{self._body_root}/{digest[:2]}/{digest[2:4]}"
+        parent = self._body_parent(digest)
         path = f"{parent}/{digest}"
         if os.path.exists(path):
             return digest
@@ -202,7 +202,11 @@ class Store(ReportQueries, LedgerQueries):
         return digest
 
     def body_path(self, digest: str) -> Path:
-        return self.body_dir / digest[:2] / digest[2:4] / digest
+        return Path(self._body_parent(digest), digest)
+
+    def _body_parent(self, digest: str) -> str:
+        """The one place the layout is written: ``body_dir/ab/cd/`` for digest ``abcd...``."""
+        return f"{self._body_root}/{digest[:2]}/{digest[2:4]}"
 
     # -- outbox -------------------------------------------------------------------
     def outbox_add(self, tasks: Sequence[Task]) -> int:
