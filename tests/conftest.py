@@ -30,6 +30,23 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test that ran crawld gets each installation's log digest in its report: a
+    failure on a CI machine is then explained by what the daemon did, not only by a timeout."""
+    outcome = yield
+    report = outcome.get_result()
+    factory = getattr(item, "funcargs", {}).get("make_crawld")
+    if report.when != "call" or not report.failed or factory is None:
+        return
+    for n, daemon in enumerate(getattr(factory, "made", []), 1):
+        try:
+            digest = daemon.log_digest()
+        except Exception as exc:        # the report must not fail on a broken log
+            digest = f"no digest: {exc!r}"
+        report.sections.append((f"crawld installation {n}: log digest", digest))
+
+
 # -- servers (session scope: pytest only builds a fixture when some test requests it) ----
 @pytest.fixture(scope="session")
 def rabbit() -> Iterator[RabbitNode]:
@@ -165,6 +182,7 @@ def make_crawld(crawld_env: Callable[..., Path]) -> Iterator[Callable[..., Any]]
         made.append(daemon)
         return daemon
 
+    build.made = made       # type: ignore[attr-defined]  # for pytest_runtest_makereport
     yield build
     for daemon in made:
         daemon.close()

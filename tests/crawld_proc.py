@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -163,6 +164,24 @@ class Crawld:
         for row in self.store.list_dead(limit=limit):
             lines.append(f"dead {row.url} reason={row.reason} attempts={row.attempts} error={row.error}")
             lines += [f"  {e}" for e in events if e.get("task_id") == row.task_id]
+        return "\n".join(lines)
+
+    def log_digest(self, last: int = 50) -> str:
+        """For a failed test's report: how often each event came, which shards each worker
+        claimed, and the last ``last`` other events (time, pid, event, their fields)."""
+        events = self.events()
+        counts = Counter(e.get("event") for e in events)
+        claimed: dict[str, list[Any]] = {}
+        for e in events:
+            if e.get("event") == "shard_claimed":
+                claimed.setdefault(str(e.get("worker")), []).append(e.get("shard"))
+        lines = [f"log {self.log_path}: " + ", ".join(f"{name} {n}" for name, n in counts.most_common())]
+        lines += [f"shards claimed by {worker}: {shards}" for worker, shards in claimed.items()]
+        flood = {"shard_claimed", "shard_released", "jetstream_consumer_created"}
+        for e in [e for e in events if e.get("event") not in flood][-last:]:
+            extra = {k: v for k, v in e.items() if k not in ("event", "timestamp", "level", "pid", "logger")}
+            lines.append(f"{str(e.get('timestamp', ''))[11:23]} {e.get('pid')} {e.get('level')} "
+                         f"{e.get('event')} {json.dumps(extra, default=str)[:300]}")
         return "\n".join(lines)
 
     def close(self) -> None:
