@@ -36,11 +36,12 @@ COMMAND = "python tests/bench/bench_e2e.py"
 def crawld_e2e(env: Env, transport: str, workers: int, n: int, tag: str = "e2e",
                page: str = "fast", timeout: float | None = None, extra_env: dict[str, str] | None = None,
                urls_of: Callable[[CrawldSetup], Sequence[str]] | None = None, sample: bool = False,
-               **setup_kw: Any) -> dict[str, Any]:
+               prepare: Callable[[CrawldSetup], object] | None = None, **setup_kw: Any) -> dict[str, Any]:
     """Publish n URLs of ``/<page>/<queue>/<i>`` with crawld publish, then time crawld run.
 
     ``urls_of(setup)`` replaces those URLs (n is then its length); ``sample`` adds a
-    ChildSampler of the workers (RSS peaks, CPU over the steady window) as "sampler"."""
+    ChildSampler of the workers (RSS peaks, CPU over the steady window) as "sampler";
+    ``prepare(setup)`` runs after the publish, before the workers start (untimed)."""
     nats = env.new_nats() if transport == "jetstream" else None
     setup = crawld_setup(env, tag, transport=transport, broker_url=nats.url if nats else None,
                          workers=workers, **setup_kw)
@@ -48,6 +49,8 @@ def crawld_e2e(env: Env, transport: str, workers: int, n: int, tag: str = "e2e",
         urls = list(urls_of(setup)) if urls_of else [f"{env.site}/{page}/{setup.queue}/{i}" for i in range(n)]
         n = len(urls)
         published = crawld_publish(setup, urls)
+        if prepare is not None:
+            prepare(setup)
         started = time.perf_counter()
         proc = start_crawld(env, setup, workers, extra_env=extra_env)
         sampler = ChildSampler(proc.pid) if sample else None

@@ -1,6 +1,6 @@
 """crawld vs Celery 5 vs Dramatiq: same broker, same work, same process and thread counts.
 
-    python tests/bench/bench_frameworks.py [--quick] [--rounds R] [--md FILE]
+    python tests/bench/bench_frameworks.py [--quick] [--rounds R] [--warm-stores] [--md FILE]
 
 Two runs, each contender's URLs its own (task ids and dedup are by URL):
 
@@ -36,6 +36,12 @@ Two runs, each contender's URLs its own (task ids and dedup are by URL):
    bench_e2e.py. The contenders run one after another for each process count, so drift hits
    them alike.
 
+   With ``--warm-stores`` every body store that writes one file per body starts with all the
+   directories of its layout made (untimed), as on a store past its first few hundred
+   thousand bodies: a fresh store of crawld's layout makes a directory for nearly every one
+   of a short run's bodies, on every contender that uses it alike (Store.save_body), and
+   where an inode is dear that young-store cost dilutes every ratio.
+
 2. Latency-bound pages (``measure_slow``): 1,200 pages (600 with --quick) that each take
    50 ms (benchsite.py ``/slow/0.05/...``, asyncio sleep, no thread held), spread round-robin
    over 50 sites (127.0.0.1 .. 127.0.0.50, one port: Env.wide_site). crawld with its
@@ -60,7 +66,7 @@ from typing import Any, Callable, Iterator
 
 from benchlib import (BENCH_DIR, PY, THREADS, Env, Ratio, Section, Table, WideSite, amqp_delete,
                       amqp_publish_raw, db_count, ratio, run_json, run_section, stop_proc,
-                      wait_rows, write_urls)
+                      store_dirs_made, wait_rows, write_urls)
 
 KEY = "frameworks"
 # The task body of bench_task.py writes each body to a file and publishes no event, and its
@@ -81,6 +87,8 @@ PLAIN = "plain"
 # documented task included (it keeps the body in its row). At CORES processes, against it.
 PLAIN_NO_BODIES = "plain-no-body-files"
 PLAINS = (PLAIN, PLAIN_NO_BODIES)
+# The contenders that write one file per body: the ones --warm-stores warms.
+BODY_FILES = (SAME_WORK, "celery", "dramatiq", PLAIN)
 CORES = os.cpu_count() or 1
 # The latency-bound run: pages that take SLOW_PAGE_S, round-robin over SLOW_SITES sites.
 SLOW_PAGE_S = 0.05
@@ -160,7 +168,7 @@ def worker_cmds(framework: str, procs: int, queue: str, fenv: dict[str, str], n:
 
 
 def framework_run(env: Env, framework: str, procs: int, urls_of: UrlsOf,
-                  timeout: float | None = None) -> dict[str, Any]:
+                  timeout: float | None = None, warm: bool = False) -> dict[str, Any]:
     directory = env.scenario_dir(framework[:3])
     queue = directory.name
     (directory / "run").mkdir()
@@ -171,6 +179,8 @@ def framework_run(env: Env, framework: str, procs: int, urls_of: UrlsOf,
     started = time.perf_counter()
     publish(env, framework, queue, urls, url_list, fenv)
     publish_s = time.perf_counter() - started
+    if warm and framework in BODY_FILES:
+        store_dirs_made(Path(fenv["BENCH_BODY_DIR"]), plain=framework == PLAIN)
     log = directory / "worker.log"
     cmds = worker_cmds(framework, procs, queue, fenv, n)
     started = time.perf_counter()
@@ -200,19 +210,20 @@ def contenders_at(procs: int, base_counts: tuple[int, ...], frameworks: list[str
 
 def run_one(env: Env, name: str, procs: int, n: int, section: Section, table: Table,
             urls_of: UrlsOf, timeout: float | None = None, round_no: int = 1, data_prefix: str = "",
-            **crawld_kw: Any) -> float | None:
+            warm: bool = False, **crawld_kw: Any) -> float | None:
     """One contender at one process count on the URLs ``urls_of(queue)`` (n of them): a
     table row; the steady rate (None if unfinished). ``crawld_kw`` goes to crawld_setup
-    (through crawld_e2e) for the crawld contenders."""
+    (through crawld_e2e) for the crawld contenders; ``warm``: see --warm-stores."""
     from bench_e2e import crawld_e2e
     if name.startswith("crawld"):
         same = name == SAME_WORK
+        prepare = (lambda setup: store_dirs_made(setup.dir / "bodies")) if warm and same else None
         result = crawld_e2e(env, "amqp", procs, n, tag="fwk", extra_env=SAME_WORK_ENV if same else None,
                             queue=SAME_WORK_QUEUE if same else None, timeout=timeout,
-                            urls_of=lambda setup: urls_of(setup.queue), **crawld_kw)
+                            urls_of=lambda setup: urls_of(setup.queue), prepare=prepare, **crawld_kw)
         progress, publish_rate = result["progress"], result["publish"]["rate"]
     else:
-        result = framework_run(env, name, procs, urls_of, timeout=timeout)
+        result = framework_run(env, name, procs, urls_of, timeout=timeout, warm=warm)
         progress, publish_rate = result["progress"], result["publish_rate"]
     if progress.done_t is None:
         section.notes.append(f"{name} with {procs} process(es) stored only {progress.final}/{n} "
@@ -259,8 +270,8 @@ TABLE_HEADERS = ["framework", "processes", "round", "publish/s (untimed)", "wall
                  "worker CPU ms/task", "machine CPU ms/task", "dup writes"]
 
 
-def measure(env: Env, quick: bool, section: Section, rounds: int = 1) -> None:
-    measure_fast(env, quick, section, rounds)
+def measure(env: Env, quick: bool, section: Section, rounds: int = 1, warm: bool = False) -> None:
+    measure_fast(env, quick, section, rounds, warm)
     measure_slow(env, quick, section)
 
 
@@ -270,7 +281,7 @@ def median_of(values: list[float | None]) -> float | None:
     return statistics.median(done) if done else None
 
 
-def measure_fast(env: Env, quick: bool, section: Section, rounds: int = 1) -> None:
+def measure_fast(env: Env, quick: bool, section: Section, rounds: int = 1, warm: bool = False) -> None:
     """Every contender at every process count, ``rounds`` times, the order reversed every
     other round (this machine drifts by tens of per cent within minutes, and a contender run
     early or late would carry it); the ratios are of the median rates."""
@@ -294,11 +305,15 @@ def measure_fast(env: Env, quick: bool, section: Section, rounds: int = 1) -> No
             names = contenders_at(procs, base_counts, frameworks, prefork)
             for r in range(rounds):
                 for name in names if r % 2 == 0 else names[::-1]:
-                    rate = run_one(env, name, procs, n, section, table, urls_of, round_no=r + 1)
+                    rate = run_one(env, name, procs, n, section, table, urls_of, round_no=r + 1, warm=warm)
                     runs.setdefault((name, procs), []).append(rate)
     add_ratios(section, {key: median_of(values) for key, values in runs.items()})
     for key in [k for k in section.data if k.endswith("_rounds")]:
         section.data[key.removesuffix("_rounds")] = median_of(section.data[key])
+    if warm:
+        section.notes.append(f"--warm-stores: {', '.join(BODY_FILES)} started with every directory of "
+                             f"their body store's layout made before the run (crawld's files layout ab/cd/: "
+                             f"65,536; {PLAIN}'s ab/: 256), as on a store past its first bodies.")
     if rounds > 1:
         section.notes.append(f"{rounds} rounds, the contenders' order reversed every other round; the "
                              f"ratios are of each contender's median steady rate.")
@@ -380,10 +395,12 @@ def prefork_note() -> str:
             f"{CORES}-process crawld rows.")
 
 
-def run(env: Env, quick: bool, ctx: dict[str, Section] | None = None, rounds: int = 1) -> Section:
-    command = COMMAND + (" --quick" if quick else "") + (f" --rounds {rounds}" if rounds > 1 else "")
+def run(env: Env, quick: bool, ctx: dict[str, Section] | None = None, rounds: int = 1,
+        warm: bool = False) -> Section:
+    command = (COMMAND + (" --quick" if quick else "") + (f" --rounds {rounds}" if rounds > 1 else "")
+               + (" --warm-stores" if warm else ""))
     return run_section(KEY, "crawld vs Celery 5 vs Dramatiq (same broker, same work, same processes)",
-                       command, lambda s: measure(env, quick, s, rounds))
+                       command, lambda s: measure(env, quick, s, rounds, warm))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,10 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="zero-latency runs per contender, order reversed every other round; "
                              "ratios of the medians")
+    parser.add_argument("--warm-stores", action="store_true",
+                        help="body stores start with their layout's directories made (untimed)")
     parser.add_argument("--md", help="also write the section as markdown to this file")
     args = parser.parse_args(argv)
     with Env(("rabbit",)) as env:
-        section = run(env, args.quick, rounds=args.rounds)
+        section = run(env, args.quick, rounds=args.rounds, warm=args.warm_stores)
     if args.md:
         Path(args.md).write_text(section.markdown())
     return 1 if section.error else 0

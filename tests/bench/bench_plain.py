@@ -45,7 +45,7 @@ from typing import Callable
 from benchlib import (BENCH_DIR, PREFETCH, PY, THREADS, CrawldSetup, Env, Progress, Ratio, Section, Table,
                       amqp_delete, amqp_delete_setup, amqp_depth, amqp_publish_raw, children_of, cpu_seconds,
                       crawld_publish, crawld_setup, db_count, js_stream, js_stream_messages, ratio,
-                      run_section, start_crawld, stop_proc, transports_bench_main)
+                      run_section, start_crawld, stop_proc, store_dirs_made, transports_bench_main)
 
 KEY = "plain"
 COMMAND = "python tests/bench/bench_plain.py"
@@ -316,15 +316,7 @@ LEAN_ENV = {"CRAWLD_STORE_BODIES": "files", "CRAWLD_OUTPUT_EVENTS": "false"}
 
 
 def body_dirs_made(setup: CrawldSetup) -> None:
-    """Every directory of the files store's layout (ab/cd/, 65,536) made before the run, as
-    on a store past its first few hundred thousand bodies. A fresh store makes one for nearly
-    every body of a short run, and on a file system where an inode is dear (this machine's
-    ext4 has no journal) that is a cost of a young store, not of each page. The store itself
-    says where each digest prefix goes."""
-    from crawld.store.base import Store
-    store = Store(str(setup.dir / "bodies"))
-    for prefix in range(256 * 256):
-        store.body_path(f"{prefix:04x}".ljust(64, "0")).parent.mkdir(parents=True, exist_ok=True)
+    store_dirs_made(setup.dir / "bodies")
 
 
 def abba(rounds: int, contenders: list[str]) -> list[str]:

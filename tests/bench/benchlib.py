@@ -546,6 +546,22 @@ def write_urls(path: Path, urls: Iterable[str]) -> Path:
     return path
 
 
+def store_dirs_made(body_dir: Path, plain: bool = False) -> None:
+    """Every directory of a body store's layout made, as on a store past its first few hundred
+    thousand bodies: crawld's files store (``ab/cd/``, 65,536, where the store itself says)
+    or, with ``plain``, plain_pipeline.py's (``ab/``, 256). A fresh files store makes one for
+    nearly every body of a short run, and where an inode is dear (this machine's ext4 has no
+    journal) that is a cost of a young store, not of each page."""
+    if plain:
+        for prefix in range(256):
+            (body_dir / f"{prefix:02x}").mkdir(parents=True, exist_ok=True)
+        return
+    from crawld.store.base import Store
+    store = Store(str(body_dir))
+    for prefix in range(256 * 256):
+        store.body_path(f"{prefix:04x}".ljust(64, "0")).parent.mkdir(parents=True, exist_ok=True)
+
+
 def crawld_publish(setup: CrawldSetup, urls: Sequence[str], timeout: float = 600) -> dict[str, Any]:
     """``crawld publish`` (outbox + confirms), timed from the outside (process start included)."""
     path = write_urls(setup.dir / f"urls-{len(urls)}.txt", urls)
