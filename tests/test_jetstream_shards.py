@@ -244,6 +244,36 @@ def test_no_busy_hand_off_while_shards_are_unowned(js_server: NatsServer) -> Non
     run_async(scenario())
 
 
+def test_a_paused_worker_gives_its_surplus_back_and_claims_nothing(js_server: NatsServer) -> None:
+    """a took all 8 shards before b came up, then paused on a fault of its own (a paused
+    worker ticks with claim=False). It must still give b its half: otherwise b has nothing
+    to fetch for as long as a's fault lasts (found on CI: of two workers meant to pause on a
+    full disk, the one started late never got a shard). While paused, a claims nothing."""
+    async def scenario() -> None:
+        nc = await natspy.connect(js_server.url)
+        try:
+            kv = await open_bucket(nc.jetstream(timeout=5), replicas=1)
+            a, b = (ShardLeases(kv, f"host-{n}:1", 8, first_claim_after_s=0) for n in "ab")
+            await _tick_all(a)
+            assert len(a.owned) == 8
+            await b.tick()                                # b is up: every shard is a's
+            assert not b.owned
+            plan = await a.tick(claim=False)              # a, paused
+            assert len(plan.excess) == 4, plan
+            for shard in plan.excess:
+                await a.release(shard)
+            await b.tick()
+            assert len(b.owned) == 4 and not set(a.owned) & set(b.owned)
+            for shard in list(b.owned):                   # b goes; a, still paused, stays put
+                await b.release(shard)
+            plan = await a.tick(claim=False)
+            assert plan.claimed == [] and len(a.owned) == 4, plan
+        finally:
+            await nc.close()
+
+    run_async(scenario())
+
+
 # -- transports: an existing deployment upgrades; rebalancing waits for in-flight work ----------
 def _cfg(url: str, **queue: Any) -> Config:
     cfg = Config().replace("broker", transport="jetstream", url=url, reconnect_max_s=1.0)

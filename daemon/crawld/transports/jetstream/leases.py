@@ -181,14 +181,18 @@ class ShardLeases:
             self.owned[shard].releasing = True
 
     # -- one tick ------------------------------------------------------------------------
-    async def tick(self, claim: bool = True) -> Plan:
-        """Renew, fence, announce ourselves, then (``claim``) balance towards fair share."""
+    async def tick(self, claim: bool = True, give: bool = True) -> Plan:
+        """Renew, fence, announce ourselves, then balance towards fair share: ``give`` back
+        what is above it (count excess, busy surplus), ``claim`` what is below it. A worker
+        that has stopped consuming for a while (paused on a fault of its own) gives but does
+        not claim: another worker may fetch its surplus sites meanwhile, and a worker that
+        took every shard before the others came up must not keep them all while it waits."""
         plan = Plan()
         plan.lost += await self._renew()
         plan.lost += self.fence()
         await self._drop_fenced()
         await self._heartbeat()
-        if not claim or not self._announced_long_enough():
+        if not (claim or give) or not self._announced_long_enough():
             return plan
         try:
             table = await self.snapshot()
@@ -197,11 +201,11 @@ class ShardLeases:
             return plan
         quota = self._quota(table)
         active = self._active()
-        if len(active) > quota:
+        if len(active) > quota and give:
             plan.excess = sorted(active, key=self._release_order)[: len(active) - quota]
             for shard in plan.excess:
                 self.mark_releasing(shard)
-        elif len(active) < quota:
+        elif len(active) < quota and claim:
             plan.claimed = await self._claim_free(table, quota - len(active))
         share = None if plan.claimed or plan.excess else self._busy_share(table)
         if share is None:
@@ -209,9 +213,10 @@ class ShardLeases:
         mine, fair, least = share
         # A gap of a shard or two between large shares is noise (a shard drained a moment
         # ago): moving one would cost more than it evens out.
-        if mine > fair and least < fair and mine - least > max(1, fair // 10) and self._all_owned(table):
+        if (give and mine > fair and least < fair and mine - least > max(1, fair // 10)
+                and self._all_owned(table)):
             plan.excess += self._hand_off(min(mine - fair, fair - least))
-        elif mine < fair:
+        elif mine < fair and claim:
             plan.claimed += await self._claim_handed_off(table, fair - mine)
         return plan
 

@@ -320,7 +320,8 @@ class ShardMixin:
             leases.bind(await open_bucket(self._js, self.cfg.queue.replicas))
             self._bucket_rebind = False
         if self.connected:
-            plan = await leases.tick(claim=self._consuming and not self._closing)
+            # paused (not consuming): give back the surplus, claim nothing
+            plan = await leases.tick(claim=self._consuming and not self._closing, give=not self._closing)
         else:
             plan = Plan(lost=leases.fence())
         for shard in plan.lost:
