@@ -113,6 +113,8 @@ class Store(ReportQueries, LedgerQueries):
         self._last_created = 0.0
         self._body_root = str(self.body_dir)
         self._body_dirs: set[str] = set()       # created already: skip the mkdir syscalls
+        self._tmp_pid = 0                       # the process _tmp_tag was drawn in
+        self._tmp_tag = ""
 
     # -- plumbing -----------------------------------------------------------------
     @contextmanager
@@ -176,8 +178,8 @@ class Store(ReportQueries, LedgerQueries):
     def save_body(self, body: bytes) -> str:
         """Content-addressed: the file name is the sha256; writing twice is harmless. The
         body goes to a temporary name first, so a crash never leaves a short file under the
-        final one. Plain string paths and a temporary name unique to this thread (pid and
-        thread id: no random draw) keep the interpreter's share of a body's write small."""
+        final one. Plain string paths and a temporary name unique to this thread (a tag
+        drawn once per process, and the thread id) keep the interpreter's share small."""
         digest = hashed(hashlib.sha256, body).hexdigest()
         parent = self._body_parent(digest)
         path = f"{parent}/{digest}"
@@ -186,9 +188,8 @@ class Store(ReportQueries, LedgerQueries):
         if parent not in self._body_dirs:
             os.makedirs(parent, exist_ok=True)
             self._body_dirs.add(parent)
-        tmp = f"{parent}/.tmp-{os.getpid()}-{threading.get_ident()}"
+        tmp = f"{parent}/.tmp-{self._process_tag()}-{threading.get_ident()}"
         try:
-            # O_TRUNC: a leftover of a crashed process with this pid and thread id is rewritten
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 _write_all(fd, body)
@@ -200,6 +201,16 @@ class Store(ReportQueries, LedgerQueries):
                 os.unlink(tmp)
             raise
         return digest
+
+    def _process_tag(self) -> str:
+        """This process's part of a temporary name: its pid and a random draw, made again
+        after a fork. The pid alone is not unique where hosts share the body directory (the
+        cluster notes' NFS mount; containers all running as pid 7), and a name two writers
+        share would put one body's bytes under another's digest."""
+        pid = os.getpid()
+        if pid != self._tmp_pid:    # threads racing here each draw a tag of this process
+            self._tmp_tag, self._tmp_pid = f"{pid}-{os.urandom(6).hex()}", pid
+        return self._tmp_tag
 
     def body_path(self, digest: str) -> Path:
         return Path(self._body_parent(digest), digest)
