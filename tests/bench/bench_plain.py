@@ -1,7 +1,7 @@
 """crawld (1 worker) vs the same work written plainly (plain_pipeline.py), side by side (issue 17).
 
     python tests/bench/bench_plain.py [--quick] [--tasks 8000] [--rounds 2] [--transports amqp,jetstream]
-                                      [--lean] [--warmup N] [--baseline CHECKOUT] [--profile DIR] [--md FILE]
+                                      [--lean] [--warmup N] [--baseline CHECKOUT] [--profile DIR] [--threads] [--md FILE]
 
 Pages come from a private Debian nginx (nginx_site.py): ``/p/N``, ~2 KB static HTML, one site
 on 127.0.0.1. For each transport the two contenders work through the same N tasks (the
@@ -26,6 +26,9 @@ once with the store's body directories made beforehand. ``--baseline CHECKOUT`` 
 crawld run from another checkout's ``daemon/`` (e.g. a ``git worktree`` of the commit before a
 change), the same ABBA rounds: before/after of one change measured side by side. With ``--profile DIR`` py-spy records the crawld worker
 (``--native``, speedscope) in the first round of each transport and prints its top frames.
+``--threads`` splits each worker's steady CPU per task by thread (the broker connection, the
+commit thread, the fetch pool, the rest) from ``/proc/<pid>/task``: where crawld's extra
+CPU over the plain pipeline is.
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ from typing import Callable
 from benchlib import (BENCH_DIR, PREFETCH, PY, THREADS, CrawldSetup, Env, Progress, Ratio, Section, Table,
                       amqp_delete, amqp_delete_setup, amqp_depth, amqp_publish_raw, children_of, cpu_seconds,
                       crawld_publish, crawld_setup, db_count, js_stream, js_stream_messages, ratio,
-                      run_section, start_crawld, stop_proc, store_dirs_made, transports_bench_main)
+                      run_section, start_crawld, stop_proc, store_dirs_made, thread_names, thread_stats,
+                      transports_bench_main)
 
 KEY = "plain"
 COMMAND = "python tests/bench/bench_plain.py"
@@ -62,6 +66,10 @@ class Track(Progress):
     samples: list[tuple[float, int, float]] = field(default_factory=list)   # (time, rows, cpu) per poll
     # --together: the steady figures over the window every contender of the round ran in
     window: tuple[tuple[float, int, float], tuple[float, int, float]] | None = None
+    # --threads: each worker thread's (CPU, switches) at the first row and at the end, and its name
+    threads_first: dict[int, tuple[float, int]] = field(default_factory=dict)
+    threads_done: dict[int, tuple[float, int]] = field(default_factory=dict)
+    thread_names: dict[int, str] = field(default_factory=dict)
 
     def narrow(self, start: float, end: float) -> None:
         """Steady rate and CPU over [start, end] only: the polls nearest inside it."""
@@ -91,9 +99,46 @@ class Track(Progress):
         return 1e3 * (self.cpu - self.first_cpu) / rows if rows > 0 else None
 
 
+THREAD_KINDS = ("connection", "commit", "pool", "other")
+SPLIT_COLUMNS = (*THREAD_KINDS, "pool max", "total", *(f"{kind} sw" for kind in THREAD_KINDS), "total sw")
+
+
+def thread_kind(name: str) -> str:
+    """crawld's and the plain pipeline's threads by what they do: the broker connection is
+    the main thread in both; crawld's group commit and the plain writer write the rows."""
+    if name == "MainThread":
+        return "connection"
+    if name in ("group-commit", "writer"):
+        return "commit"
+    if name.startswith(("fetch_", "ThreadPoolExecutor-")):
+        return "pool"
+    return "other"
+
+
+def thread_split(t: Track) -> dict[str, float] | None:
+    """Per stored row in the steady window, by thread kind: ms of CPU, the busiest pool
+    thread's ('pool max'), and context switches ('<kind> sw'). None without --threads' samples."""
+    rows = t.final - t.first_n
+    if not (t.threads_first and t.threads_done and t.thread_names) or rows <= 0:
+        return None
+    ms = dict.fromkeys(THREAD_KINDS, 0.0)
+    switches = dict.fromkeys(THREAD_KINDS, 0.0)
+    pool_max = 0.0
+    for tid, (cpu, sw) in t.threads_done.items():
+        cpu0, sw0 = t.threads_first.get(tid, (0.0, 0))
+        kind = thread_kind(t.thread_names.get(tid, ""))
+        ms[kind] += 1e3 * (cpu - cpu0) / rows
+        switches[kind] += (sw - sw0) / rows
+        if kind == "pool":
+            pool_max = max(pool_max, 1e3 * (cpu - cpu0) / rows)
+    return {**ms, "pool max": pool_max, "total": sum(ms.values()),
+            **{f"{kind} sw": n for kind, n in switches.items()}, "total sw": sum(switches.values())}
+
+
 def track(db: Path, n: int, started: float, pids: Callable[[], list[int]], proc: subprocess.Popen,
-          timeout: float, interval: float = 0.25) -> Track:
-    """Poll the store until n rows; read the workers' CPU at the first row and at the end."""
+          timeout: float, interval: float = 0.25, split: bool = False) -> Track:
+    """Poll the store until n rows; read the workers' CPU at the first row and at the end
+    (with ``split``, each thread's too, of the one worker process)."""
     out = Track(n, started)
     known: list[int] = []
     deadline = time.perf_counter() + timeout
@@ -104,9 +149,16 @@ def track(db: Path, n: int, started: float, pids: Callable[[], list[int]], proc:
         cpu = sum(cpu_seconds(p) for p in known)
         if count and out.first_t is None:
             out.first_t, out.first_n, out.first_cpu = now, count, cpu
+            if split and known:
+                out.threads_first = thread_stats(known[0])
         out.final, out.cpu = count, cpu
         if count:
             out.samples.append((now, count, cpu))
+        if split and known and out.first_t is not None:
+            # at every poll: the plain pipeline's threads may be gone by the poll that sees its last row
+            out.threads_done.update(thread_stats(known[0]))
+            if not out.thread_names and count >= n // 2:
+                out.thread_names = thread_names(known[0])     # mid-run: every thread is up
         if count >= n:
             out.done_t = now
             break
@@ -119,7 +171,7 @@ def track(db: Path, n: int, started: float, pids: Callable[[], list[int]], proc:
 def run_crawld(env: Env, transport: str, urls: list[str], timeout: float,
                profile: Path | None = None, extra_env: dict[str, str] | None = None,
                gate: Callable[[], object] | None = None,
-               prepare: Callable[[CrawldSetup], object] | None = None) -> Track:
+               prepare: Callable[[CrawldSetup], object] | None = None, split: bool = False) -> Track:
     nats = env.new_nats() if transport == "jetstream" else None
     setup = crawld_setup(env, "cp", transport=transport, broker_url=nats.url if nats else None,
                          workers=1, threads=THREADS, prefetch=PREFETCH)
@@ -135,7 +187,7 @@ def run_crawld(env: Env, transport: str, urls: list[str], timeout: float,
         workers = lambda: children_of(sup.pid)   # noqa: E731  (the forked worker, not the supervisor)
         if profile is not None:
             spy = start_profile(env, sup, setup.db, profile, transport)
-        result = track(setup.db, len(urls), started, workers, sup, timeout)
+        result = track(setup.db, len(urls), started, workers, sup, timeout, split=split)
         if spy is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 spy.wait(60)                  # both samples taken (the crawl may end first)
@@ -274,7 +326,7 @@ def js_publish_acked(url: str, subject: str, bodies: list[bytes], window: int = 
 
 
 def run_plain(env: Env, transport: str, urls: list[str], timeout: float,
-              gate: Callable[[], object] | None = None) -> Track:
+              gate: Callable[[], object] | None = None, split: bool = False) -> Track:
     directory = env.scenario_dir("pp")
     name = directory.name
     db, bodies = directory / "plain.db", directory / "bodies"
@@ -296,7 +348,7 @@ def run_plain(env: Env, transport: str, urls: list[str], timeout: float,
             gate()
         started = time.perf_counter()
         proc = env.spawn(cmd, log=directory / "plain.log")
-        result = track(db, len(urls), started, lambda: [proc.pid], proc, timeout)
+        result = track(db, len(urls), started, lambda: [proc.pid], proc, timeout, split=split)
         stop_proc(proc, timeout=30)
         result.left = left_in_broker(nats.url if nats else env.rabbit.url, "PLAIN" if nats else name)
         result.errors = [l for l in (directory / "plain.log").read_text(errors="replace").splitlines()
@@ -371,7 +423,7 @@ def mean(values: list[float | None]) -> float | None:
 
 def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section: Section,
             profile: Path | None, lean: bool = False, baseline: str | None = None,
-            warmup: int = 0, together: bool = False) -> None:
+            warmup: int = 0, together: bool = False, threads: Table | None = None) -> None:
     site = env.nginx(pages=n)
     urls = [site.page_url(i) for i in range(n)]
     timeout = 60 + n / 50
@@ -385,16 +437,19 @@ def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section
     runs: dict[str, list[Track]] = {who: [] for who in contenders}
 
     def run_one(who: str, gate: Callable[[], object] | None) -> Track:
+        split = threads is not None
         if who == "crawld":
             spy = profile if (profile is not None and not runs["crawld"]) else None
-            return run_crawld(env, transport, urls, timeout, spy, gate=gate)
+            return run_crawld(env, transport, urls, timeout, spy, gate=gate, split=split)
         if who in ("crawld-lean", "crawld-lean-warm"):
             prepare = body_dirs_made if who == "crawld-lean-warm" else None
-            return run_crawld(env, transport, urls, timeout, extra_env=LEAN_ENV, gate=gate, prepare=prepare)
+            return run_crawld(env, transport, urls, timeout, extra_env=LEAN_ENV, gate=gate, prepare=prepare,
+                              split=split)
         if who == "crawld-base":
             return run_crawld(env, transport, urls, timeout,
-                              extra_env={"PYTHONPATH": str(Path(baseline or "") / "daemon")}, gate=gate)
-        return run_plain(env, transport, urls, timeout, gate=gate)
+                              extra_env={"PYTHONPATH": str(Path(baseline or "") / "daemon")}, gate=gate,
+                              split=split)
+        return run_plain(env, transport, urls, timeout, gate=gate, split=split)
 
     schedule = ([contenders if r % 2 == 0 else contenders[::-1] for r in range(rounds)] if together
                 else [[who] for who in abba(rounds, contenders)])
@@ -408,6 +463,9 @@ def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section
                                      f"retried; first: {result.errors[0][:200]}")
             table.add(transport, who, len(runs[who]), result.final, result.wall_rate, result.steady_rate,
                       result.fetched, result.left, result.cpu_ms_all, result.cpu_ms_steady)
+            split = thread_split(result)
+            if threads is not None and split is not None:
+                threads.add(transport, who, len(runs[who]), *(split[k] for k in SPLIT_COLUMNS))
     summarise(transport, runs, section)
 
 
@@ -450,9 +508,14 @@ def measure(env: Env, args: argparse.Namespace, section: Section) -> None:
                   ["transport", "contender", "round", "rows", "wall/s", "steady/s",
                    "fetched", "left in broker", "CPU ms/task (all)", "CPU ms/task (steady)"])
     section.tables.append(table)         # first: a failed transport still shows the rows so far
+    threads = None
+    if args.threads:
+        threads = Table("worker CPU (ms) and context switches (sw) per stored row, by thread, steady window "
+                        "(/proc/<pid>/task; threads named by py-spy dump)", ["transport", "contender", "round", *SPLIT_COLUMNS])
+        section.tables.append(threads)
     for transport in args.transports.split(","):
         compare(env, transport, n, args.rounds, table, section, Path(args.profile) if args.profile else None,
-                args.lean, args.baseline, min(args.warmup, n), args.together)
+                args.lean, args.baseline, min(args.warmup, n), args.together, threads)
     if args.warmup:
         section.notes.append(f"before the rounds of each transport, one uncounted warm-up run of the plain "
                              f"pipeline and of crawld on the first {min(args.warmup, n):,} URLs (--warmup 0: none)")
@@ -494,6 +557,7 @@ def command_line(args: argparse.Namespace) -> str:
     out += f" --warmup {args.warmup}" if args.warmup != WARMUP else ""
     out += f" --baseline {args.baseline}" if args.baseline else ""
     out += " --together" if args.together else ""
+    out += " --threads" if args.threads else ""
     return out + (f" --profile {args.profile}" if args.profile else "")
 
 
@@ -510,6 +574,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="tasks of one uncounted run of each kind before the rounds (0: none)")
     parser.add_argument("--baseline", help="also run crawld from this checkout (its daemon/ on PYTHONPATH)")
     parser.add_argument("--profile", help="py-spy the crawld worker in the first round of each transport into DIR")
+    parser.add_argument("--threads", action="store_true",
+                        help="also split each worker's CPU by thread (connection, commit, pool, other)")
     parser.add_argument("--together", action="store_true",
                         help="run the contenders of each round at the same time instead of one after another")
     return parser.parse_args(argv)

@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import platform
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -345,7 +346,6 @@ class Env:
         if os.environ.get("CRAWLD_BENCH_KEEP"):      # logs and stores, for a post-mortem
             print(f"[bench] kept {self.workdir}", file=sys.stderr)
             return
-        import shutil
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -379,14 +379,41 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a live process (0 if it is gone)."""
+def cpu_seconds(pid: int, stat_path: str | None = None) -> float:
+    """utime + stime of a live process (0 if it is gone); of one thread with its task stat path."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(stat_path or f"/proc/{pid}/stat").read_text()
     except OSError:
         return 0.0
     fields_ = stat[stat.rindex(")") + 2:].split()
     return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_stats(pid: int) -> dict[int, tuple[float, int]]:
+    """(utime + stime, context switches) of each live thread of a process, by thread id: a
+    switch is a GIL hand-back or a wait, each a wake-up to pay for."""
+    out: dict[int, tuple[float, int]] = {}
+    task_dir = f"/proc/{pid}/task"
+    for tid in os.listdir(task_dir) if os.path.isdir(task_dir) else []:
+        cpu = cpu_seconds(int(tid), f"{task_dir}/{tid}/stat")
+        try:
+            status = Path(f"{task_dir}/{tid}/status").read_text()
+        except OSError:
+            continue
+        switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
+        out[int(tid)] = (cpu, switches)
+    return out
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Python thread names by thread id, from ``py-spy dump`` (Python 3.11 gives the OS
+    threads no names); empty without py-spy. The dump pauses the process for a moment."""
+    import re
+    if shutil.which("py-spy") is None:
+        return {}
+    dump = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True,
+                          timeout=30).stdout
+    return {int(tid): name for tid, name in re.findall(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump, re.M)}
 
 
 def tree_cpu_seconds(roots: Iterable[int]) -> float:
