@@ -47,6 +47,12 @@ EXIT_BOOT_ERROR = 3      # retrying cannot help: the supervisor stops instead of
 GC_YOUNG_THRESHOLD = 10_000   # allocations between young-generation collections (CPython: 700)
 
 
+# The outcome counters of WorkerState: counted per thread without the lock (see _count).
+OUTCOME_COUNTERS = ("done", "retried", "dead", "duplicates", "deferred")
+COUNTER_OF_ACTION = {Action.ACK: "done", Action.SKIP: "done", Action.RETRY: "retried",
+                     Action.DEAD: "dead", Action.DEFER: "deferred"}
+
+
 @dataclass
 class WorkerState:
     state: Phase = Phase.STARTING
@@ -89,7 +95,10 @@ class Worker:
         self.state = WorkerState(started_at=time.time())
         self._lock = threading.Lock()
         self._futures: dict[Future, Delivery] = {}
-        self._started: set[int] = set()         # id() of deliveries a pool thread picked up
+        # Outcomes counted by the pool threads, each in a table of its own: the worker's lock
+        # is for in-flight bookkeeping only (16 threads took it twice more per task, and a
+        # thread that lost the GIL while holding it stalled the others).
+        self._outcomes = Stats()
         # A shard owner's tasks wait for their site without a thread (the only process that
         # may fetch them is this one); without partitioning politeness is per machine.
         self.gate = (SiteGate(cfg.fetch.per_host_concurrency, self._site_of)
@@ -180,7 +189,7 @@ class Worker:
         forgotten = self.fetcher.network_back() if change.reason == Fault.NETWORK else 0
         self.pool.submit(self.handler.guard.flush)
         log.info("worker_resumed", worker=self.worker_id, reason=change.reason,
-                 paused_s=change.paused_for_s, probes=change.probes, deferred=self.state.deferred,
+                 paused_s=change.paused_for_s, probes=change.probes, deferred=self._counted().deferred,
                  robots_forgotten=forgotten)
         self.transport.start_consuming(self._on_delivery, self._free_slots)
         self._set_state(Phase.RUNNING)
@@ -223,9 +232,10 @@ class Worker:
         self.handler.guard.flush()       # what close() gave back, before the pool goes
         self.pool.shutdown(wait=False, cancel_futures=True)
         self._close_outputs(leftover)
+        state = self._counted()
         log.info("worker_drained", worker=self.worker_id, released=released, unfinished=leftover,
-                 drain_s=round(time.monotonic() - started, 3), done=self.state.done,
-                 redelivered=self.state.redelivered, duplicates=self.state.duplicates)
+                 drain_s=round(time.monotonic() - started, 3), done=state.done,
+                 redelivered=state.redelivered, duplicates=state.duplicates)
         self._set_state(Phase.STOPPED)
         return 0
 
@@ -276,8 +286,10 @@ class Worker:
         return len(parked)
 
     def _unstarted(self) -> list[tuple[Future, Delivery]]:
+        """Still queued in the pool: a pool thread marks its future running before it calls
+        _process, and a running future cannot be cancelled."""
         with self._lock:
-            return [(f, d) for f, d in self._futures.items() if id(d) not in self._started]
+            return [(f, d) for f, d in self._futures.items() if not (f.running() or f.done())]
 
     # -- deliveries ------------------------------------------------------------------
     def _free_slots(self) -> int:
@@ -293,13 +305,10 @@ class Worker:
         if self.pause.reason:
             return 0
         limit = min(self.cfg.workers.threads, self.cfg.queue.prefetch)
-        with self._lock:
-            held = self.state.inflight
-        return max(0, self._hands_held * limit - held)
+        return max(0, self._hands_held * limit - self._inflight())
 
     def _inflight(self) -> int:
-        with self._lock:
-            return self.state.inflight
+        return self.state.inflight      # one attribute read: atomic, no lock needed
 
     def _on_delivery(self, delivery: Delivery) -> None:
         """I/O thread: never does the work, only hands it to the pool."""
@@ -346,7 +355,6 @@ class Worker:
             if delivery is None:
                 return
             self.state.inflight -= 1
-            self._started.discard(id(delivery))
             if self.gate is not None:
                 self.gate.finished(delivery)
                 if not self._stop:     # draining: the drain gives the parked ones back
@@ -356,8 +364,6 @@ class Worker:
 
     def _process(self, delivery: Delivery) -> None:
         """Pool thread: handle one delivery and settle it exactly once."""
-        with self._lock:
-            self._started.add(id(delivery))
         settlement = self.handler.handle(delivery)
         self.middleware.before_settle(delivery, settlement)
         self.transport.settle(delivery, settlement)
@@ -367,18 +373,20 @@ class Worker:
     def _count(self, settlement: Settlement) -> None:
         duplicate = settlement.reason == Reason.DUPLICATE
         outcome = "duplicate" if duplicate else settlement.action.value
-        with self._lock:
-            if settlement.action in (Action.ACK, Action.SKIP):
-                self.state.done += 1
-                self.state.duplicates += duplicate
-            elif settlement.action is Action.RETRY:
-                self.state.retried += 1
-            elif settlement.action is Action.DEAD:
-                self.state.dead += 1
-            elif settlement.action is Action.DEFER:
-                self.state.deferred += 1
+        counter = COUNTER_OF_ACTION.get(settlement.action)
+        if counter is not None:
+            self._outcomes.inc(counter)
+            if duplicate:
+                self._outcomes.inc("duplicates")
         self.metrics.on_settled(outcome, settlement.reason)
         self._count_stats(settlement)
+
+    def _counted(self) -> WorkerState:
+        """The state with the outcome counters summed over the pool threads' tables."""
+        counts = self._outcomes.snapshot()
+        for name in OUTCOME_COUNTERS:
+            setattr(self.state, name, int(counts.get(name, 0)))
+        return self.state
 
     def _count_stats(self, settlement: Settlement) -> None:
         """Scrapy's retry stat names, on the fetcher's stats object."""
@@ -400,8 +408,9 @@ class Worker:
         """One status line to the supervisor's pipe; its absence means a stuck loop."""
         if not self._beat.due(force):
             return
+        state = self._counted()
         with self._lock:
-            snapshot = dict(self.state.__dict__, pid=os.getpid(), connected=self.transport.connected,
+            snapshot = dict(state.__dict__, pid=os.getpid(), connected=self.transport.connected,
                             waiting_for_site=self.gate.parked if self.gate is not None else 0)
         snapshot["stats"] = self.fetcher.stats.snapshot()
         snapshot.update(self._fleet())
