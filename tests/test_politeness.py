@@ -125,6 +125,42 @@ def test_slot_of_a_killed_process_is_released(tmp_path) -> None:
     limiter.acquire("example.test", wait_s=2).release()      # the kernel dropped the dead lock
 
 
+def test_slot_files_stay_open_between_requests(tmp_path, monkeypatch) -> None:
+    """One open per slot file, however many requests: each takes and drops its slot with a
+    flock; an open (and a close) per request was a path lookup and two GIL hand-backs more."""
+    limiter = HostLimiter(str(tmp_path), 2)
+    real_open, opened = os.open, []
+    monkeypatch.setattr(politeness.os, "open", lambda path, *a: opened.append(path) or real_open(path, *a))
+    for _ in range(20):
+        limiter.acquire("example.test", wait_s=1).release()
+    slot_files = [path for path in opened if ".slot" in path]
+    assert len(slot_files) == 1, slot_files
+    limiter.close()
+    assert HostLimiter(str(tmp_path), 1).acquire("example.test", wait_s=0.5)   # closed: free
+
+
+def test_a_forked_child_never_shares_its_parents_slot(tmp_path) -> None:
+    """A child forked with the limiter's open slot files shares their flocks; it must open
+    its own, or it would take the slot its parent holds (concurrency 1: two requests)."""
+    limiter = HostLimiter(str(tmp_path), 1)
+    limiter.acquire("example.test", wait_s=1).release()      # slot file left open, idle
+    held, go = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                              # the child
+        os.read(held, 1)                                      # the parent holds the slot now
+        try:
+            limiter.acquire("example.test", wait_s=0.3)
+            code = 1                                          # took the parent's slot
+        except PolitenessTimeout:
+            code = 0
+        os._exit(code)
+    slot = limiter.acquire("example.test", wait_s=1)
+    os.write(go, b"x")
+    _, status = os.waitpid(pid, 0)
+    slot.release()
+    assert os.waitstatus_to_exitcode(status) == 0, "the child took the slot its parent holds"
+
+
 # ----------------------------------------------------------------------------- spacing
 def test_crawl_delay_spacing_measured(make) -> None:
     with LocalServer({"/robots.txt": robots("User-agent: *\nCrawl-delay: 0.25\n"), "*": page()}) as srv:
@@ -186,7 +222,8 @@ def test_state_lives_in_run_dir_hosts(tmp_path, monkeypatch) -> None:
     HostLimiter(str(tmp_path), 2).acquire("Example.TEST", wait_s=1).release()
     names = sorted(os.listdir(tmp_path / "hosts"))
     bucket = HostLimiter(str(tmp_path), 2).bucket("example.test")
-    assert names == [f"{bucket}.slot0", f"{bucket}.state"]
+    # one of the two slots (a process starts looking at a slot of its own) and the state
+    assert names in ([f"{bucket}.slot0", f"{bucket}.state"], [f"{bucket}.slot1", f"{bucket}.state"])
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     os.makedirs(tmp_path / "tmp")
     assert HostLimiter("", 1).dir == os.path.join(str(tmp_path / "tmp"), f"crawld-{os.getuid()}", "hosts")

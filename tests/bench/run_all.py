@@ -29,6 +29,7 @@ import bench_memory
 import bench_output
 import bench_partition
 import bench_plain
+import bench_politeness
 import bench_profile
 import bench_publish
 import bench_recovery
@@ -66,6 +67,7 @@ BENCHMARKS = [
     ("crawl", bench_crawl.run),
     ("plain", bench_plain.run),
     ("partition", bench_partition.run),
+    ("politeness", bench_politeness.run),
 ]
 
 

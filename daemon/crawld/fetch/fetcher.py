@@ -147,6 +147,7 @@ class Fetcher:
     def close(self) -> None:
         self.pools.clear()
         self.guard.close()
+        self.limiter.close()
 
     # -- the redirect chain --------------------------------------------------------------
     def _follow(self, url: str, task: _Task, *, obey_robots: bool, max_redirects: int,

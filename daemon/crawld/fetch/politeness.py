@@ -22,6 +22,12 @@ them all the same ``run_dir``) and every thread of each worker share:
 The limit is per machine: several machines crawling one site each apply it (the total
 is machines x per_host_concurrency).
 
+A process keeps its slot files open (a bounded number of them, least recently used closed
+first) and takes and drops a slot with one ``flock`` each, and it looks for a free slot from
+an index of its own (drawn once per process), so that the processes sharing a host do not
+each try the slots the others hold first: with two processes of 16 threads on one host,
+starting every scan at slot 0 cost six failed open+flock+close probes per request.
+
 Hosts are mapped to files by a hash into a fixed number of buckets, so the directory
 stays bounded over a crawl of millions of hosts without deleting lock files (deleting
 a lock file another process has open would split one lock into two). Two hosts that
@@ -42,9 +48,11 @@ import struct
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 MAX_BACKOFF_S = 60.0
+MAX_IDLE_SLOT_FDS = 256     # slot files kept open while no request holds them
 BACKOFF_WINDOW_S = 60.0
 _STATE = struct.Struct("<dddd")     # last_start, not_before, backoff_s, backoff_until
 
@@ -111,6 +119,13 @@ class HostLimiter:
         self.max_not_before_s = max_not_before_s
         self._held: set[tuple[str, int]] = set()   # slots this process holds: skip the syscalls
         self._cv = threading.Condition()
+        # Open slot files no request of this process holds (under _cv), and the process
+        # they and _first_slot belong to: a forked child shares its parent's open file
+        # descriptions, hence its flocks, so it must open its own.
+        self._idle_fds: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self._pid = 0
+        self._first_slot = 0
+        self._closed = False
 
     # -- public ------------------------------------------------------------------------
     def acquire(self, host: str, *, wait_s: float, min_delay_s: float = 0.0) -> Slot:
@@ -177,24 +192,76 @@ class HostLimiter:
                 self._cv.wait(min(left, self.poll_s * random.uniform(0.5, 1.5)))
 
     def _try_slots(self, bucket: str) -> tuple[tuple[str, int], int] | None:
-        for index in range(self.concurrency):
+        first = self._this_process()
+        for step in range(self.concurrency):
+            index = (first + step) % self.concurrency
             key = (bucket, index)
             with self._cv:
                 if key in self._held:
                     continue
                 self._held.add(key)         # claim before the syscall: no in-process race
-            fd = _try_lock(os.path.join(self.dir, f"{bucket}.slot{index}"))
-            if fd is not None:
-                return key, fd
-            with self._cv:
-                self._held.discard(key)
+                fd = self._idle_fds.pop(key, None)
+            try:
+                if fd is None:
+                    fd = os.open(os.path.join(self.dir, f"{bucket}.slot{index}"),
+                                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                if _try_flock(fd):
+                    return key, fd
+            except BaseException:
+                with self._cv:
+                    self._held.discard(key)
+                if fd is not None:
+                    os.close(fd)
+                raise
+            self._idle(key, fd)             # another process holds it
         return None
 
+    def _this_process(self) -> int:
+        """Where this process starts looking for a free slot; after a fork, the child
+        forgets the parent's open slot files (closing its copies leaves the parent's
+        flocks alone) and draws a start of its own."""
+        pid = os.getpid()
+        if pid != self._pid:
+            with self._cv:
+                if pid != self._pid:
+                    self._close_idle()
+                    self._held.clear()      # the parent's requests: not running here
+                    self._first_slot = random.randrange(self.concurrency)
+                    self._pid = pid
+        return self._first_slot
+
+    def close(self) -> None:
+        """Close the slot files; one still held closes when it is released."""
+        with self._cv:
+            self._closed = True
+            self._close_idle()
+
+    def _close_idle(self) -> None:
+        """Under _cv."""
+        for fd in self._idle_fds.values():
+            os.close(fd)
+        self._idle_fds.clear()
+
     def _release(self, key: tuple[str, int], fd: int) -> None:
-        os.close(fd)                        # closing the descriptor drops the flock
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        self._idle(key, fd, notify=True)
+
+    def _idle(self, key: tuple[str, int], fd: int, notify: bool = False) -> None:
+        """Keep the slot file open for the next request; close the least recently used
+        one past MAX_IDLE_SLOT_FDS."""
+        evicted = None
         with self._cv:
             self._held.discard(key)
-            self._cv.notify_all()       # waiters may want other hosts; they re-check cheaply
+            if self._closed:
+                evicted = fd
+            else:
+                self._idle_fds[key] = fd
+                if len(self._idle_fds) > MAX_IDLE_SLOT_FDS:
+                    evicted = self._idle_fds.popitem(last=False)[1]
+            if notify:
+                self._cv.notify_all()   # waiters may want other hosts; they re-check cheaply
+        if evicted is not None:
+            os.close(evicted)
 
     # -- spacing -----------------------------------------------------------------------
     def _reserve_start(self, bucket: str, host: str, min_delay_s: float, wait_left: float) -> float:
@@ -225,16 +292,14 @@ def _sanitise(state: _State, now: float, max_ahead: float) -> None:
         state.not_before = 0.0
 
 
-def _try_lock(path: str) -> int | None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def _try_flock(fd: int) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return None
+            return False
         raise
-    return fd
+    return True
 
 
 class _locked:

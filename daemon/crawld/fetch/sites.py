@@ -213,6 +213,9 @@ class SiteLimiter:
             site = self._sites.get(host)
             return site is not None and site.unreachable
 
+    def close(self) -> None:
+        """Nothing to let go: its state is in memory."""
+
     def shard_acquired(self, shard: int) -> None:
         """The shard starts delivering here (again): another owner may have served its sites
         a moment ago, so each of them waits one delay before its next request."""
