@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import multiprocessing
+import os
 import stat
 import threading
 import time
@@ -115,6 +116,24 @@ def test_bodies_leave_no_temporary_file_and_stay_private(store):
     assert store.body_path(digest).read_bytes() == body
     assert stat.S_IMODE(store.body_path(digest).stat().st_mode) == 0o600   # bodies stay private
     assert not [p for p in store.body_dir.rglob(".tmp-*")]
+
+
+def test_a_body_makes_its_directory_only_when_missing(store, monkeypatch):
+    """A store past its first bodies has its ab/cd/ directories, made by other processes
+    and earlier runs: a body written there asks for no mkdir (each was a mkdir and a stat,
+    for nearly every body of a process's first hours); a missing directory is still made."""
+    body, other = b"in a directory made earlier", b"in a new one"
+    here = store.body_path(hashlib.sha256(body).hexdigest())
+    there = store.body_path(hashlib.sha256(other).hexdigest())
+    assert here.parent.parent != there.parent.parent      # different ab/
+    os.makedirs(here.parent)
+    made = []
+    real_makedirs = os.makedirs
+    monkeypatch.setattr(os, "makedirs", lambda *a, **kw: made.append(a[0]) or real_makedirs(*a, **kw))
+    store.save_body(body)
+    assert made == [] and here.read_bytes() == body
+    store.save_body(other)
+    assert made[0] == str(there.parent) and there.read_bytes() == other
 
 
 BODIES_PER_WORKER = 100
