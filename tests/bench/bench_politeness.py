@@ -1,7 +1,7 @@
 """Host-wide politeness (fetch/politeness.py, the flock files of ``partition = none``): the
 cost of one request's slot and start time when worker processes share a host.
 
-    python tests/bench/bench_politeness.py [--quick] [--baseline CHECKOUT]
+    python tests/bench/bench_politeness.py [--quick] [--baseline CHECKOUT] [--md FILE]
 
 P processes (1, 2, 3) x 16 threads, one host, per_host_concurrency 256 (and 32 at P = 2):
 each thread takes a slot, holds it 1 ms (a request), lets it go, N times. For each process:
@@ -112,11 +112,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="100 requests per thread instead of 300")
     parser.add_argument("--baseline", help="also run HostLimiter from this checkout (its daemon/)")
+    parser.add_argument("--md", help="also write the section as markdown to this file")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return 1 if run(None, False, args=parse_args(argv)).error else 0
+    args = parse_args(argv)
+    section = run(None, False, args=args)
+    if args.md:
+        Path(args.md).write_text(section.markdown())
+    return 1 if section.error else 0
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ in ``<run_dir>/hosts/``, which every worker process of one machine (the supervis
 them all the same ``run_dir``) and every thread of each worker share:
 
 * concurrency -- ``per_host_concurrency`` slot files per host; a request holds an
-  exclusive flock on one of them. flock locks belong to an open file description, so
-  two threads of one process exclude each other just like two processes do; a crashed
-  process releases its slots with its file descriptors (nothing to clean up).
+  exclusive flock on one of them. The threads of one process claim a slot in memory
+  before its flock (a set of the slots they hold), the processes exclude each other by
+  the flock; a crashed process releases its slots with its file descriptors (nothing to
+  clean up).
 * spacing -- a small state file per host records when the last request started, a
   ``not_before`` time (from Retry-After) and a back-off delay. Each request reserves its
   start time under an flock, then sleeps outside the lock. The gap to the previous start
