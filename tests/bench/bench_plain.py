@@ -127,10 +127,11 @@ def thread_split(t: Track) -> dict[str, float] | None:
     for tid, (cpu, sw) in t.threads_done.items():
         cpu0, sw0 = t.threads_first.get(tid, (0.0, 0))
         kind = thread_kind(t.thread_names.get(tid, ""))
-        ms[kind] += 1e3 * (cpu - cpu0) / rows
+        thread_ms = 1e3 * (cpu - cpu0) / rows
+        ms[kind] += thread_ms
         switches[kind] += (sw - sw0) / rows
         if kind == "pool":
-            pool_max = max(pool_max, 1e3 * (cpu - cpu0) / rows)
+            pool_max = max(pool_max, thread_ms)
     return {**ms, "pool max": pool_max, "total": sum(ms.values()),
             **{f"{kind} sw": n for kind, n in switches.items()}, "total sw": sum(switches.values())}
 
@@ -463,9 +464,9 @@ def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section
                                      f"retried; first: {result.errors[0][:200]}")
             table.add(transport, who, len(runs[who]), result.final, result.wall_rate, result.steady_rate,
                       result.fetched, result.left, result.cpu_ms_all, result.cpu_ms_steady)
-            split = thread_split(result)
-            if threads is not None and split is not None:
-                threads.add(transport, who, len(runs[who]), *(split[k] for k in SPLIT_COLUMNS))
+            by_thread = thread_split(result) if threads is not None else None
+            if threads is not None and by_thread is not None:
+                threads.add(transport, who, len(runs[who]), *(by_thread[k] for k in SPLIT_COLUMNS))
     summarise(transport, runs, section)
 
 
