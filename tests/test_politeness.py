@@ -204,6 +204,28 @@ def test_retry_after_honoured_before_next_request(make) -> None:
     assert measured[0] >= 0.99
 
 
+def test_with_no_gap_a_start_is_read_without_a_syscall_and_sees_other_processes(tmp_path, monkeypatch) -> None:
+    """per_host_delay_s 0 and no Crawl-delay: a request reads the host's record through its
+    mapping, no open and no lock of the state file; a Retry-After another process records
+    there still stops the next request (it takes the locked path and waits, or gives up)."""
+    limiter = HostLimiter(str(tmp_path), 4)
+    limiter.acquire("example.test", wait_s=1).release()        # the record exists now
+    real_open, opened = os.open, []
+    monkeypatch.setattr(politeness.os, "open", lambda path, *a: opened.append(path) or real_open(path, *a))
+    for _ in range(20):
+        limiter.acquire("example.test", wait_s=1).release()
+    assert len([path for path in opened if path.endswith(".state")]) == 1    # to map it, once
+    pid = os.fork()
+    if pid == 0:                                                # another worker gets a 503
+        HostLimiter(str(tmp_path), 4).backoff("example.test", retry_after_s=30.0)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    with pytest.raises(PolitenessTimeout) as info:
+        limiter.acquire("example.test", wait_s=0.5)
+    assert 25.0 < info.value.retry_in_s <= 30.0
+    assert len([path for path in opened if path.endswith(".state")]) == 2    # the locked path
+
+
 def test_backoff_doubles_and_expires(tmp_path, monkeypatch) -> None:
     limiter = HostLimiter(str(tmp_path), 1)
     before = time.time()

@@ -96,8 +96,10 @@ def measure(args: argparse.Namespace, section: Section) -> None:
         for name, daemon in checkouts:
             for r in one_shape(daemon, processes, concurrency, requests):
                 table.add(name, processes, concurrency, r["open"], r["flock"], r["cpu_us"])
-    section.notes.append("each request opens the host's state file once (spacing and back-off); "
-                         "what is above 1 open is slot files")
+    section.notes.append("with no gap to keep (per_host_delay_s 0, no Crawl-delay, as here) a request "
+                         "reads the host's state record through a mapping, with no open and no lock of "
+                         "it (since the twentieth session; the state file was opened and locked once "
+                         "per request before); every open and flock counted is then a slot file's")
 
 
 def run(env: Env | None, quick: bool, ctx: dict[str, Section] | None = None,

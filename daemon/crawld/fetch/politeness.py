@@ -15,7 +15,11 @@ them all the same ``run_dir``) and every thread of each worker share:
   start time under an flock, then sleeps outside the lock. The gap to the previous start
   is ``max(per_host_delay_s * uniform(0.5, 1.5), crawl_delay, backoff)``: the random
   factor is Scrapy's RANDOMIZE_DOWNLOAD_DELAY; robots.txt Crawl-delay is a floor the site
-  asked for, so it is not randomised below.
+  asked for, so it is not randomised below. With no gap to keep (``per_host_delay_s`` 0
+  and no Crawl-delay) a request reads the record through a shared read-only mapping,
+  without its lock, and starts at once if no start, ``not_before`` or back-off lies ahead:
+  no syscall. It records nothing then: starts with no gap between them have nothing to
+  space, and a process configured with a gap still spaces its own from the record.
 * back-off -- a 429/503 pushes ``not_before`` out by Retry-After (if any) and sets a
   back-off gap (1 s, doubling per repeat, at most 60 s) that lasts 60 s after the last
   such answer.
@@ -43,6 +47,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import mmap
 import os
 import random
 import struct
@@ -54,6 +59,7 @@ from dataclasses import dataclass
 
 MAX_BACKOFF_S = 60.0
 MAX_IDLE_SLOT_FDS = 256     # slot files kept open while no request holds them
+MAX_STATE_MAPS = 256        # hosts' state records kept mapped for the lock-free read
 BACKOFF_WINDOW_S = 60.0
 _STATE = struct.Struct("<dddd")     # last_start, not_before, backoff_s, backoff_until
 
@@ -127,6 +133,9 @@ class HostLimiter:
         self._pid = 0
         self._first_slot = 0
         self._closed = False
+        # Read-only shared mappings of state records (under _cv), least recently used first.
+        # A mapping survives a fork intact; one dropped here is unmapped once no thread reads it.
+        self._state_maps: OrderedDict[str, mmap.mmap] = OrderedDict()
 
     # -- public ------------------------------------------------------------------------
     def acquire(self, host: str, *, wait_s: float, min_delay_s: float = 0.0) -> Slot:
@@ -236,6 +245,7 @@ class HostLimiter:
         with self._cv:
             self._closed = True
             self._close_idle()
+            self._state_maps.clear()
 
     def _close_idle(self) -> None:
         """Under _cv."""
@@ -267,6 +277,8 @@ class HostLimiter:
     # -- spacing -----------------------------------------------------------------------
     def _reserve_start(self, bucket: str, host: str, min_delay_s: float, wait_left: float) -> float:
         gap = max(self.delay_s * random.uniform(0.5, 1.5), min_delay_s)
+        if gap <= 0 and self._nothing_ahead(bucket):
+            return 0.0
         with _locked(self._state_path(bucket)) as fd:
             state, now = _read_state(fd), time.time()
             _sanitise(state, now, self.max_not_before_s)
@@ -278,6 +290,41 @@ class HostLimiter:
             state.last_start = start
             _write_state(fd, state)
         return start - now
+
+    def _nothing_ahead(self, bucket: str) -> bool:
+        """The host's record, read without its lock, has no start, not_before or back-off
+        ahead of now. A read racing a write can only see what a request a moment earlier
+        would have seen; anything ahead takes the locked path, which sanitises it."""
+        view = self._state_map(bucket)
+        if view is None:
+            return False
+        last_start, not_before, _, backoff_until = _STATE.unpack_from(view)
+        now = time.time()
+        return last_start <= now and not_before <= now and backoff_until <= now
+
+    def _state_map(self, bucket: str) -> mmap.mmap | None:
+        """The bucket's record mapped read-only; None before its first reservation wrote it."""
+        with self._cv:
+            view = self._state_maps.get(bucket)
+            if view is not None:
+                self._state_maps.move_to_end(bucket)
+                return view
+        try:
+            fd = os.open(self._state_path(bucket), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_size < _STATE.size:
+                return None
+            view = mmap.mmap(fd, _STATE.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with self._cv:
+            if not self._closed:
+                self._state_maps[bucket] = view
+                if len(self._state_maps) > MAX_STATE_MAPS:
+                    self._state_maps.popitem(last=False)
+        return view
 
     def _state_path(self, bucket: str) -> str:
         return os.path.join(self.dir, f"{bucket}.state")
