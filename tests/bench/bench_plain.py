@@ -464,8 +464,7 @@ def compare(env: Env, transport: str, n: int, rounds: int, table: Table, section
                                      f"retried; first: {result.errors[0][:200]}")
             table.add(transport, who, len(runs[who]), result.final, result.wall_rate, result.steady_rate,
                       result.fetched, result.left, result.cpu_ms_all, result.cpu_ms_steady)
-            by_thread = thread_split(result) if threads is not None else None
-            if threads is not None and by_thread is not None:
+            if threads is not None and (by_thread := thread_split(result)) is not None:
                 threads.add(transport, who, len(runs[who]), *(by_thread[k] for k in SPLIT_COLUMNS))
     summarise(transport, runs, section)
 
