@@ -244,6 +244,58 @@ def test_no_busy_hand_off_while_shards_are_unowned(js_server: NatsServer) -> Non
     run_async(scenario())
 
 
+def test_busy_shards_given_back_go_to_the_starved_worker_not_to_each_other(js_server: NatsServer) -> None:
+    """a and b hold 3 busy shards each, c none (fair is 2). a and b each decide to hand one
+    off before either release is done (a release waits for in-flight work), and are then
+    one short of their count quota: they must not fill it with each other's busy shard
+    (found on CI: 3 workers and 10 sites, two workers swapped sites for 10 s while the
+    third fetched nothing). Both shards go to c; a and b get c's idle ones."""
+    busy = set(range(6))
+
+    async def hand_off(worker: ShardLeases) -> list[int]:
+        for _ in range(TICKS):          # under load one KV read can time out
+            if (plan := await worker.tick()).excess:
+                return plan.excess
+        raise AssertionError(f"{worker.worker_id} never handed off")
+
+    async def scenario() -> tuple[list[ShardLeases], int]:
+        nc = await natspy.connect(js_server.url)
+        try:
+            kv = await open_bucket(nc.jetstream(timeout=5), replicas=1)
+            a, b, c = workers = [ShardLeases(kv, f"host-{n}:1", 12, busy=busy.__contains__,
+                                             first_claim_after_s=0) for n in "abc"]
+            for worker, shards in ((a, (0, 1, 2, 6)), (b, (3, 4, 5, 7)), (c, (8, 9, 10, 11))):
+                for shard in shards:
+                    assert await worker.claim(shard, None)
+            for worker in workers:
+                await worker.tick(claim=False, give=False)        # announce: 4 owned each
+            given = {a: await hand_off(a), b: await hand_off(b)}
+            assert all(len(shards) == 1 and set(shards) <= busy for shards in given.values()), given
+            for worker, shards in given.items():
+                await worker.release(shards[0])
+            for rounds in range(1, 60):
+                before = [set(w.owned) for w in workers]
+                for worker in (a, b, c):        # c's tick comes last, as on CI
+                    plan = await worker.tick()
+                    for shard in plan.excess:
+                        await worker.release(shard)
+                for worker, held in zip((a, b), before):
+                    taken = (set(worker.owned) - held) & busy
+                    assert not taken, f"{worker.worker_id} took busy shards {taken} handed off by the other"
+                if ([len(set(w.owned) & busy) for w in workers] == [2, 2, 2]
+                        and [len(w.owned) for w in workers] == [4, 4, 4]):
+                    assert set(c.owned) & busy == {*given[a], *given[b]}
+                    return workers, rounds
+                await asyncio.sleep(0.25)
+            raise AssertionError([sorted(set(w.owned) & busy) for w in workers])
+        finally:
+            await nc.close()
+
+    workers, rounds = run_async(scenario())
+    _log(f"hand-offs to the starved: {[sorted(set(w.owned) & busy) for w in workers]} after {rounds} "
+         f"rounds (owned {[len(w.owned) for w in workers]})")
+
+
 TICKS = 20      # a bound on the ticks one step may take under load
 
 

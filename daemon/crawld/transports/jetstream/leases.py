@@ -17,14 +17,15 @@ Fair share: live workers sorted by key, ``shards // n`` each and one more for th
 ``shards % n`` of them, so the spread is always within one shard.
 
 Fair share of the *work*: a count-fair spread can still leave a worker with only empty
-shards while another holds every site that has URLs. So each worker's key also says how
-many busy shards it holds (pending or in flight); a worker above ``ceil(total / n)`` busy
-shards, while another live worker is below it by more than a tenth, gives the surplus back (gracefully, as any
-release) with a ``busy`` mark on the freed key. Workers below their busy share claim such
-shards even beyond their count quota (their idle shards then go as count excess); any
-worker below its count quota takes marked shards first; the releaser itself leaves them
-alone for ``HANDOFF_GRACE_S``. No hand-off while any release of ours is still settling, nor
-while any shard is unowned (someone's claims are under way: the busy counts are stale).
+shards while another holds every site that has URLs. So each worker's key also says how many
+busy shards it holds (pending or in flight); a worker above ``ceil(total / n)`` busy shards,
+while another live worker is below it by more than a tenth, gives the surplus back
+(gracefully, as any release) with a ``busy`` mark on the freed key. Workers below their busy
+share claim such shards even beyond their count quota (their idle shards then go as count
+excess); a worker below its count quota takes marked shards first if it is also below its
+busy share, and otherwise leaves them alone for ``HANDOFF_GRACE_S``, as the releaser does.
+No hand-off while any release of ours is still settling, nor while any shard is unowned
+(someone's claims are under way: the busy counts are stale).
 
 A worker claims nothing until its own key has been up for one renewal interval, so workers
 started together see each other and split the shards from their first claims.
@@ -236,22 +237,27 @@ class ShardLeases:
     def busy_count(self) -> int:
         return sum(1 for s in self._active() if self.busy(s))
 
-    def _busy_share(self, table: Table) -> tuple[int, int, int] | None:
+    def _busy_share(self, table: Table, settled: bool = True) -> tuple[int, int, int] | None:
         """(busy shards I hold, the fair number, the fewest any other live worker holds);
         None while a worker's announced lease count differs from the table's (its claims
-        or releases are under way, so its busy count is stale)."""
+        or releases are under way, so its busy count is stale), unless ``settled`` is
+        False: then the announced counts, stale or not."""
         now = time.time()
         held = Counter(e.owner for e in table.shards.values() if not e.free(now))
         others = []
         for key, entry in table.workers.items():
             if key == self.key or entry.free(now):
                 continue
-            if entry.owned != held.get(entry.owner, 0):
+            if settled and entry.owned != held.get(entry.owner, 0):
                 return None
             others.append(entry.busy)
         mine = self.busy_count()
         fair = math.ceil((mine + sum(others)) / (len(others) + 1))
         return mine, fair, min(others, default=fair)
+
+    def _below_busy_share(self, table: Table) -> bool:
+        share = self._busy_share(table, settled=False)
+        return share is not None and share[0] < share[1]
 
     def _all_owned(self, table: Table) -> bool:
         """Every shard has a live lease. Until then someone's claims are under way and the
@@ -389,11 +395,23 @@ class ShardLeases:
         free = [s for s in range(self.shards)
                 if s not in self.owned and not self._gave_away_lately(s)
                 and (s not in table.shards or table.shards[s].free(now))]
+        if not self._below_busy_share(table):
+            free = [s for s in free if not self._reserved_for_the_starved(table.shards.get(s), now)]
         random.shuffle(free)      # workers claiming at once mostly try different shards
         free.sort(key=lambda s: not (s in table.shards and table.shards[s].busy))   # work first
         picked = free[:wanted]    # all at once (CAS makes that safe); a lost race waits a tick
         won = await asyncio.gather(*(self.claim(s, table.shards.get(s)) for s in picked))
         return [s for s, ok in zip(picked, won) if ok]
+
+    @staticmethod
+    def _reserved_for_the_starved(entry: Entry | None, now: float) -> bool:
+        """A shard handed off busy goes to a worker below its busy share. Two workers above
+        it that each gave one away were also one short of their count quota, and took each
+        other's (found on CI: 3 workers, 10 sites, two swapped sites for 10 s while the
+        third fetched nothing). Once the mark is HANDOFF_GRACE_S old, anyone may take it:
+        the busy counts moved on and no one is starved, but the shard must not stay unowned."""
+        return (entry is not None and bool(entry.busy) and not entry.deleted
+                and now - entry.expires < HANDOFF_GRACE_S)
 
     async def claim(self, shard: int, seen: Entry | None) -> bool:
         """CAS on what we read: ``create`` if the key was absent or deleted, else
