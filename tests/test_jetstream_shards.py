@@ -244,6 +244,9 @@ def test_no_busy_hand_off_while_shards_are_unowned(js_server: NatsServer) -> Non
     run_async(scenario())
 
 
+TICKS = 20      # a bound on the ticks one step may take under load
+
+
 def test_busy_shards_given_back_go_to_the_starved_worker_not_to_each_other(js_server: NatsServer) -> None:
     """a and b hold 3 busy shards each, c none (fair is 2). a and b each decide to hand one
     off before either release is done (a release waits for in-flight work), and are then
@@ -294,9 +297,6 @@ def test_busy_shards_given_back_go_to_the_starved_worker_not_to_each_other(js_se
     workers, rounds = run_async(scenario())
     _log(f"hand-offs to the starved: {[sorted(set(w.owned) & busy) for w in workers]} after {rounds} "
          f"rounds (owned {[len(w.owned) for w in workers]})")
-
-
-TICKS = 20      # a bound on the ticks one step may take under load
 
 
 def test_a_paused_worker_gives_its_surplus_back_and_claims_nothing(js_server: NatsServer) -> None:
