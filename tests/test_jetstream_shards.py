@@ -278,10 +278,7 @@ def test_busy_shards_given_back_go_to_the_starved_worker_not_to_each_other(js_se
                 await worker.release(shards[0])
             for rounds in range(1, 60):
                 before = [set(w.owned) for w in workers]
-                for worker in (a, b, c):        # c's tick comes last, as on CI
-                    plan = await worker.tick()
-                    for shard in plan.excess:
-                        await worker.release(shard)
+                await _tick_all(a, b, c)        # c's tick comes last, as on CI
                 for worker, held in zip((a, b), before):
                     taken = (set(worker.owned) - held) & busy
                     assert not taken, f"{worker.worker_id} took busy shards {taken} handed off by the other"
