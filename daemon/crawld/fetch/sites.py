@@ -53,11 +53,15 @@ class _Site:
 
 
 class SiteSlot:
-    """A held concurrency slot; release it (or use ``with``) when the request is done."""
+    """A held concurrency slot; release it (or use ``with``) when the request is done.
 
-    def __init__(self, limiter: "SiteLimiter", host: str, waited_s: float) -> None:
+    ``start`` is the monotonic time reserved for this request: the spacing holds between
+    reserved starts (a thread the OS wakes late starts late, never early)."""
+
+    def __init__(self, limiter: "SiteLimiter", host: str, start: float, waited_s: float) -> None:
         self._limiter: SiteLimiter | None = limiter
         self._host = host
+        self.start = start
         self.waited_s = waited_s
 
     def release(self) -> None:
@@ -108,7 +112,7 @@ class SiteLimiter:
         pause = start - time.monotonic()
         if pause > 0:
             time.sleep(pause)
-        return SiteSlot(self, host, time.monotonic() - started)
+        return SiteSlot(self, host, start, time.monotonic() - started)
 
     def _wait_for_turn(self, host: str, site: _Site, started: float, give_up: float,
                        min_delay_s: float) -> float:
