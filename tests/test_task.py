@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from crawld.task import MalformedMessage, parse_line, parse_message, task_id_for
+from crawld.task import (MalformedMessage, canonical_url, parse_line, parse_message, task_id_for,
+                         task_id_for_canonical)
 
 
 def test_task_id_is_stable_and_canonical():
@@ -13,6 +14,34 @@ def test_task_id_is_stable_and_canonical():
     assert a == task_id_for("http://example.com/a?a=1&b=2", "r1")
     assert a != task_id_for("http://example.com/a?a=1&b=2", "r2")
     assert len(a) == 32
+
+
+# What the stored task ids of every deployment were made from (w3lib 2.5). If one of these
+# changes (a w3lib upgrade), a fleet running two versions gives one URL two ids, and a
+# crawl upgraded in place fetches those pages again: move setup.cfg's bound knowingly.
+CANONICAL_FORMS = [
+    ("http://Example.COM/a?b=2&a=1#frag", "http://example.com/a?a=1&b=2"),
+    ("http://example.com", "http://example.com/"),
+    ("http://example.com/a/./b/../c", "http://example.com/a/c"),
+    ("http://example.com/%7euser/caf%c3%a9?q=a+b&q=a%20b", "http://example.com/~user/caf%C3%A9?q=a+b&q=a+b"),
+    ("http://b\u00fccher.de/", "http://xn--bcher-kva.de/"),
+    ("http://[0:0::1]:8080/", "http://[::1]:8080/"),
+    # w3lib 2.6 changes these three (127.0.0.1/, /.;x and http://a.com/x)
+    ("http://0x7f.1/", "http://0x7f.1/"),
+    ("http://a.com/.;x", "http://a.com/;x"),
+    ("http:/a.com/x", "http:///a.com/x"),
+]
+
+
+@pytest.mark.parametrize("url, canonical", CANONICAL_FORMS)
+def test_canonical_forms_behind_stored_task_ids_do_not_move(url: str, canonical: str) -> None:
+    assert canonical_url(url) == canonical
+    assert task_id_for(url, "r1") == task_id_for_canonical(canonical, "r1")
+
+
+def test_task_id_is_the_hash_every_stored_row_was_keyed_by() -> None:
+    assert task_id_for("http://example.com/a?a=1&b=2", "r1") == "a75419374548162d0805398852c0cb3c"
+    assert task_id_for("http://example.com/x", "0") == "b8893b666762f3755ff3916949abe80c"
 
 
 def test_plain_client_message_accepted():
