@@ -16,9 +16,9 @@ def test_task_id_is_stable_and_canonical():
     assert len(a) == 32
 
 
-# What the stored task ids of every deployment were made from (w3lib 2.5). If one of these
-# changes (a w3lib upgrade), a fleet running two versions gives one URL two ids, and a
-# crawl upgraded in place fetches those pages again: move setup.cfg's bound knowingly.
+# What task ids are made from, with the w3lib setup.cfg allows (2.5). If one of these changes
+# (a w3lib upgrade), a fleet running two versions gives one URL two ids, and a crawl upgraded
+# in place fetches those pages again: move setup.cfg's bound knowingly.
 CANONICAL_FORMS = [
     ("http://Example.COM/a?b=2&a=1#frag", "http://example.com/a?a=1&b=2"),
     ("http://example.com", "http://example.com/"),
